@@ -1,0 +1,145 @@
+//! # Lesson 01 — data parallelism: the oracle
+//!
+//! Every rank holds *everything*: the full parameters, the full gradient, the
+//! full AdamW state. Each step:
+//!
+//! 1. **forward/backward** on this rank's micro-batches (its share of the
+//!    global batch), summing their gradients locally;
+//! 2. **all-reduce** the gradient: every rank gets the sum over ranks, added
+//!    in rank order, then divides by the number of micro-batches;
+//! 3. **update**: every rank takes the same AdamW step on the same numbers,
+//!    so the replicas stay identical — which we check, bit for bit.
+//!
+//! Later lessons delete the redundant copies and must produce these bits.
+use anyhow::bail;
+use fsdp_comm::{ShardLayout, sum_in_rank_order};
+use fsdp_gpt::AdamW;
+use fsdp_gpt::model::add_grads;
+use fsdp_gpt::params::digest_f32;
+use fsdp_harness::{MemoryTally, Session};
+
+/// How the gradient is all-reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Reduce {
+    /// Reduce-scatter + all-gather with sums in rank order: bitwise reproducible.
+    Ordered,
+    /// MPI's own MPI_Allreduce: its summation order is MPI's choice.
+    Native,
+}
+
+/// One rank's replica of the whole training state.
+pub struct DataParallel {
+    /// The full fp32 parameters, identical on every rank.
+    pub params: Vec<f32>,
+    /// The full gradient, padded to a multiple of N for the all-reduce.
+    grads: Vec<f32>,
+    /// This rank's shard of the gradient inside the ordered all-reduce.
+    grad_shard: Vec<f32>,
+    opt: AdamW,
+    reduce: Reduce,
+}
+
+impl DataParallel {
+    pub fn new(s: &Session, reduce: Reduce) -> Self {
+        let numel = s.table.numel();
+        let layout = ShardLayout::new(numel, s.world.size());
+        Self {
+            params: s.table.init_flat(s.args.seed), // same seed, same bits, on every rank
+            grads: vec![0.0; layout.padded],
+            grad_shard: vec![0.0; layout.shard_len],
+            opt: AdamW::new(s.adamw, numel),
+            reduce,
+        }
+    }
+
+    // ANCHOR: step
+    /// One optimizer step; returns the mean loss over the global batch.
+    pub fn step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
+        let numel = s.table.numel();
+        // 1. forward/backward on my micro-batches, gradients summed in order
+        let vars = s.model.vars_from_flat(&s.table, &self.params)?;
+        self.grads.fill(0.0);
+        let mut loss_sum = 0.0;
+        for k in s.my_micro_batches() {
+            let (loss, grads) = s.forward_backward(&vars, step, k)?;
+            add_grads(&grads, &vars, &mut self.grads[..numel])?;
+            loss_sum += loss as f64;
+        }
+        drop(vars);
+
+        // 2. all-reduce: the sum over ranks, then the mean over micro-batches
+        match self.reduce {
+            Reduce::Ordered => s.world.all_reduce(&mut self.grads, &mut self.grad_shard),
+            Reduce::Native => s.world.all_reduce_native(&mut self.grads),
+        }
+        let m = s.sampler.micro_batches;
+        scale(&mut self.grads[..numel], m);
+
+        // 3. update: the same AdamW step on every rank
+        self.opt.step(&mut self.params, &self.grads[..numel]);
+        Ok((s.world.sum_f64(&[loss_sum])[0] / m as f64) as f32)
+    }
+    // ANCHOR_END: step
+
+    // ANCHOR: accumulate
+    /// The same step in one process: the micro-batches of `ranks` simulated
+    /// ranks, each group summed as that rank would, the groups then summed in
+    /// rank order — the additions of N-rank data parallelism, one by one.
+    pub fn accumulate_step(&mut self, s: &Session, step: u64, ranks: usize) -> anyhow::Result<f32> {
+        let numel = s.table.numel();
+        let vars = s.model.vars_from_flat(&s.table, &self.params)?;
+        let mut per_rank = vec![vec![0.0f32; numel]; ranks];
+        let mut loss_sum = 0.0;
+        for (r, sum) in per_rank.iter_mut().enumerate() {
+            for k in s.sampler.share(r, ranks) {
+                let (loss, grads) = s.forward_backward(&vars, step, k)?;
+                add_grads(&grads, &vars, sum)?;
+                loss_sum += loss as f64;
+            }
+        }
+        drop(vars);
+        sum_in_rank_order(per_rank.iter().map(Vec::as_slice), &mut self.grads[..numel]);
+        let m = s.sampler.micro_batches;
+        scale(&mut self.grads[..numel], m);
+        self.opt.step(&mut self.params, &self.grads[..numel]);
+        Ok((loss_sum / m as f64) as f32)
+    }
+    // ANCHOR_END: accumulate
+
+    /// Every rank's digest of its replica must be the same: cheap (8 bytes
+    /// per rank) and exact. Stops the whole job if they differ.
+    pub fn check_replicas(&self, s: &Session, step: u64) -> anyhow::Result<()> {
+        let digests = s.world.gather_control(&[digest_f32(&self.params)]);
+        if digests.iter().any(|&d| d != digests[0]) {
+            let list: Vec<String> = digests.iter().map(|d| format!("{d:016x}")).collect();
+            bail!("replicas diverged at step {step}: per-rank weight digests {}", list.join(", "));
+        }
+        Ok(())
+    }
+
+    /// Bytes this rank holds, by category, from shapes.
+    pub fn tally(&self, s: &Session, simulated_ranks: Option<usize>) -> MemoryTally {
+        let numel = s.table.numel();
+        let n = s.world.size();
+        let mut t = MemoryTally::new();
+        t.add("params (fp32)", numel, 4, "full copy on every rank")
+            .add("params as candle Vars", numel, 4, "compute copy, rebuilt each step")
+            .add("grads of one micro-batch", numel, 4, "candle's GradStore")
+            .add("grads (flat sum)", self.grads.len(), 4, "full, padded to a multiple of N")
+            .add("AdamW m", numel, 4, "full")
+            .add("AdamW v", numel, 4, "full");
+        if n > 1 && self.reduce == Reduce::Ordered {
+            t.add("comm buffers", self.grads.len() + self.grad_shard.len(), 4, "all-to-all receive + own shard");
+        }
+        if let Some(r) = simulated_ranks {
+            t.add("per-rank gradient sums", r * numel, 4, "one per simulated rank");
+        }
+        t
+    }
+}
+
+/// `g ← g · (1/M)`: the mean over the global batch's M micro-batches.
+pub fn scale(grads: &mut [f32], micro_batches: usize) {
+    let inv = 1.0 / micro_batches as f32;
+    grads.iter_mut().for_each(|g| *g *= inv);
+}

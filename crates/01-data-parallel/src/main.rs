@@ -1,0 +1,79 @@
+//! `step01-data-parallel`: trains the GPT with plain data parallelism.
+//!
+//! ```text
+//! just step 01            # 2 ranks
+//! just step 01 4          # 4 ranks
+//! cargo run --release -p step01-data-parallel -- --accumulate 2   # one process, 2 simulated ranks
+//! ```
+mod data_parallel;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use data_parallel::{DataParallel, Reduce};
+use fsdp_comm::Collective;
+use fsdp_harness::{Lesson, Report, Run, Session, TrainArgs, print0};
+
+const LESSON: Lesson = Lesson { package: "step01-data-parallel", title: "data parallelism, everything replicated (the oracle)" };
+
+#[derive(Debug, Parser)]
+struct Args {
+    #[command(flatten)]
+    train: TrainArgs,
+    /// Run in one process, accumulating the micro-batches of N simulated ranks
+    /// and summing them in rank order: bit for bit what N ranks compute.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    accumulate: Option<u32>,
+    /// How to all-reduce the gradient: ordered (bitwise reproducible) or native (MPI_Allreduce).
+    #[arg(long, value_enum, default_value = "ordered")]
+    reduce: Reduce,
+}
+
+fn main() -> ExitCode {
+    fsdp_harness::main(LESSON, |world, lesson| {
+        let args: Args = fsdp_harness::parse_args(lesson)?;
+        let accumulate = args.accumulate.map(|n| n as usize);
+        let check = |m: u32| -> anyhow::Result<()> {
+            if let Some(n) = accumulate {
+                if world.size() > 1 {
+                    anyhow::bail!("--accumulate simulates ranks in one process: run it without mpirun (or with -n 1)");
+                }
+                if n > m as usize || m as usize % n != 0 {
+                    anyhow::bail!("--accumulate {n} needs --micro-batches to be a multiple of {n} (it is {m})");
+                }
+            }
+            Ok(())
+        };
+        let s = Session::new(world, lesson, args.train.clone())?;
+        fsdp_harness::edge::agree(world, check(args.train.micro_batches))?;
+        let mut extra = vec![("all-reduce", format!("{:?}", args.reduce).to_lowercase())];
+        if let Some(n) = accumulate {
+            extra.push(("accumulate", format!("{n} simulated ranks in one process")));
+        }
+        s.print_config(&extra);
+        fsdp_harness::edge::mark_setup_done();
+
+        let mut dp = DataParallel::new(&s, args.reduce);
+        let mut run = Run::start(&s);
+        let mut checks = 0;
+        for step in 1..=s.args.steps {
+            let loss = match accumulate {
+                Some(n) => dp.accumulate_step(&s, step, n)?,
+                None => dp.step(&s, step)?,
+            };
+            run.step_done(step, loss);
+            if s.args.check_every > 0 && (step % s.args.check_every == 0 || step == s.args.steps) {
+                dp.check_replicas(&s, step)?;
+                checks += 1;
+            }
+        }
+        run.finish();
+        print0!("replica check: {checks} checks, every rank's weights bitwise identical\n");
+
+        let n = world.size() as u64;
+        let bytes = 4 * s.table.numel() as u64;
+        let mut report = Report::new(&s, &run, dp.tally(&s, accumulate));
+        report.expect_traffic(Collective::AllReduce, 2 * (n - 1) * bytes / n);
+        report.finish(Some(&dp.params))
+    })
+}

@@ -1,0 +1,120 @@
+//! `step02-whole-model-shard`: the classic FSDP toy — gather the whole model,
+//! update only your shard — with its proof of bitwise equality.
+//!
+//! ```text
+//! just step 02            # 2 ranks, --check and the figure on
+//! just step 02 4 --steps 100
+//! ```
+mod whole_model_shard;
+#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
+pub mod exercises;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use fsdp_comm::Collective;
+use fsdp_harness::plot::{Chart, Series};
+use fsdp_harness::report::points;
+use fsdp_harness::table::{Table, mb, sci, thousands};
+use fsdp_harness::{Lesson, Report, Run, Session, TrainArgs, print0};
+use whole_model_shard::WholeModelShard;
+
+const LESSON: Lesson = Lesson { package: "step02-whole-model-shard", title: "whole-model shard: gather everything, update your shard" };
+
+#[derive(Debug, Parser)]
+struct Args {
+    #[command(flatten)]
+    train: TrainArgs,
+    /// Skip the replicated reference (by default it runs beside the shards
+    /// and the max |sharded − replicated| is printed every step).
+    #[arg(long)]
+    no_check: bool,
+    /// Skip the two-panel figure (by default written to <out>/shard_vs_replicated.svg).
+    #[arg(long)]
+    no_plot: bool,
+}
+
+fn main() -> ExitCode {
+    fsdp_harness::main(LESSON, |world, lesson| {
+        let args: Args = fsdp_harness::parse_args(lesson)?;
+        let check = !args.no_check;
+        let s = Session::new(world, lesson, args.train)?;
+        s.print_config(&[("check against replicated", if check { "every step".into() } else { "off (--no-check)".into() })]);
+        fsdp_harness::edge::mark_setup_done();
+
+        let mut fsdp = WholeModelShard::new(&s, check);
+        let mut run = Run::start(&s);
+        let (mut ref_losses, mut divergence) = (vec![], vec![]);
+        for step in 1..=s.args.steps {
+            let r = fsdp.step(&s, step)?;
+            run.step_done(step, r.loss);
+            if let (Some(l), Some(d)) = (r.reference_loss, r.divergence) {
+                ref_losses.push(l);
+                divergence.push(d);
+                if step == 1 || step % s.args.log_every == 0 || step == s.args.steps {
+                    print0!("           max |sharded − replicated| = {}", sci(d as f64));
+                }
+            }
+        }
+        run.finish();
+        let training_traffic = world.traffic(); // before the final gather for the report
+        let full = fsdp.gather_full(world).to_vec();
+
+        // The classic toy's results table.
+        let l = fsdp.layout;
+        let n = l.world;
+        let max_div = divergence.iter().copied().fold(0.0f32, |a, b| if b.is_nan() || b > a { b } else { a });
+        let mut t = Table::new(["whole-model shard", "per rank"]);
+        t.row(["world size".to_string(), n.to_string()]);
+        t.row(["total params".to_string(), thousands(l.numel as u64)]);
+        t.row(["sharded master / rank".to_string(), format!("{} (1/{n})", mb(4 * l.shard_len as u64))]);
+        t.row(["replicated master / rank".to_string(), mb(4 * l.numel as u64)]);
+        t.row(["padding".to_string(), format!("{} elements", l.padding())]);
+        t.row([
+            "max |sharded − replicated|".to_string(),
+            if check { format!("{} over {} steps", sci(max_div as f64), divergence.len()) } else { "not checked (--no-check)".into() },
+        ]);
+
+        let bytes = 4 * l.numel as u64;
+        let nn = n as u64;
+        let mut report = Report::new(&s, &run, fsdp.tally(&s));
+        report
+            .traffic(training_traffic)
+            .table(t.render())
+            .expect_traffic(Collective::AllGather, (nn - 1) * bytes / nn)
+            .expect_traffic(Collective::AllReduce, 2 * (nn - 1) * bytes / nn)
+            .json("max_divergence", serde_json::json!(if check { Some(max_div) } else { None }))
+            .json("divergence", serde_json::json!(divergence))
+            .json("reference_losses", serde_json::json!(ref_losses))
+            .json("master_shard_bytes", serde_json::json!(4 * l.shard_len))
+            .json("replicated_master_bytes", serde_json::json!(4 * l.numel));
+        if check && !args.no_plot {
+            report.chart("shard_vs_replicated.svg", figure(&run.losses, &ref_losses, &divergence, n));
+        }
+        report.finish(Some(&full))
+    })
+}
+
+/// Left: the two loss curves, on top of each other. Right: their weights'
+/// max difference per step, on an axis centred on zero.
+fn figure(losses: &[f32], reference: &[f32], divergence: &[f32], n: usize) -> Vec<Chart> {
+    vec![
+        Chart {
+            title: format!("loss: sharded ({n} ranks) vs replicated"),
+            x_label: "step".into(),
+            y_label: "loss".into(),
+            series: vec![
+                Series { name: "replicated".into(), color: "#1f77b4", points: points(reference), dashed: false },
+                Series { name: "sharded".into(), color: "#ff7f0e", points: points(losses), dashed: true },
+            ],
+            y_range: None,
+        },
+        Chart {
+            title: "max |sharded − replicated| per step".into(),
+            x_label: "step".into(),
+            y_label: "max abs difference of weights".into(),
+            series: vec![Series { name: "divergence".into(), color: "#d62728", points: points(divergence), dashed: false }],
+            y_range: Some((-1e-6, 1e-6)),
+        },
+    ]
+}

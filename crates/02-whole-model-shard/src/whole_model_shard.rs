@@ -1,0 +1,174 @@
+//! # Lesson 02 — whole-model shard: the classic FSDP toy
+//!
+//! Each rank keeps only **its shard** — 1/N of the flat fp32 parameter
+//! vector — and only its shard of AdamW's `m` and `v`. Each step:
+//!
+//! 1. **all-gather** the shards into the full weight vector and load it into the model;
+//! 2. **forward/backward** on this rank's micro-batches;
+//! 3. **all-reduce** the gradient (sum in rank order, then the mean);
+//! 4. **update** — AdamW on *only* this rank's shard.
+//!
+//! AdamW is elementwise, so the owner of an element cannot change its new
+//! value: the weights are lesson 01's, bit for bit. `--check` proves it every
+//! step against a fully replicated reference fed the same gradient.
+use fsdp_comm::{ShardLayout, World};
+use fsdp_gpt::AdamW;
+use fsdp_gpt::model::add_grads;
+use fsdp_harness::{MemoryTally, Session};
+
+/// One rank's share of the training state.
+pub struct WholeModelShard {
+    pub layout: ShardLayout,
+    /// My shard of the fp32 parameters (the "master" weights), padding included.
+    master: Vec<f32>,
+    /// AdamW over my shard only: `m` and `v` are 1/N of the model each.
+    opt: AdamW,
+    /// The all-gather's output: the full, padded parameter vector.
+    gathered: Vec<f32>,
+    /// The full gradient, padded, and my shard of it inside the all-reduce.
+    grads: Vec<f32>,
+    grad_shard: Vec<f32>,
+    /// `--check`: a fully replicated copy (lesson 01's state) fed the same gradient.
+    reference: Option<Reference>,
+}
+
+/// The replicated reference of `--check`.
+struct Reference {
+    params: Vec<f32>,
+    opt: AdamW,
+}
+
+/// What one step reports.
+pub struct StepResult {
+    pub loss: f32,
+    /// `--check` only: the replicated reference's loss on the same batch.
+    pub reference_loss: Option<f32>,
+    /// `--check` only: max |sharded − replicated| over all elements of all ranks.
+    pub divergence: Option<f32>,
+}
+
+impl WholeModelShard {
+    pub fn new(s: &Session, check: bool) -> Self {
+        let (rank, n) = (s.world.rank(), s.world.size());
+        let layout = ShardLayout::new(s.table.numel(), n);
+        // Every rank builds the same initial vector and keeps only its slice:
+        // no communication needed to start.
+        let mut full = s.table.init_flat(s.args.seed);
+        full.resize(layout.padded, 0.0); // padding: zeros that no parameter uses
+        let master = full[layout.shard(rank).range()].to_vec();
+        let reference = check.then(|| Reference {
+            params: full[..layout.numel].to_vec(),
+            opt: AdamW::new(s.adamw, layout.numel),
+        });
+        Self {
+            layout,
+            master,
+            opt: AdamW::new(s.adamw, layout.shard_len),
+            gathered: vec![0.0; layout.padded],
+            grads: vec![0.0; layout.padded],
+            grad_shard: vec![0.0; layout.shard_len],
+            reference,
+        }
+    }
+
+    // ANCHOR: step
+    pub fn step(&mut self, s: &Session, step: u64) -> anyhow::Result<StepResult> {
+        let (w, numel) = (s.world, self.layout.numel);
+        let mine = self.layout.shard(w.rank()).range();
+
+        // 1. all-gather: every rank's shard → the full weight vector
+        w.all_gather(&self.master, &mut self.gathered);
+        let vars = s.model.vars_from_flat(&s.table, &self.gathered[..numel])?;
+
+        // 2. forward/backward on my micro-batches
+        self.grads.fill(0.0);
+        let mut loss_sum = 0.0;
+        for k in s.my_micro_batches() {
+            let (loss, grads) = s.forward_backward(&vars, step, k)?;
+            add_grads(&grads, &vars, &mut self.grads[..numel])?;
+            loss_sum += loss as f64;
+        }
+        drop(vars); // the full copy is not needed again this step
+
+        // 3. all-reduce: sum over ranks in rank order, then the mean
+        w.all_reduce(&mut self.grads, &mut self.grad_shard);
+        let inv = 1.0 / s.sampler.micro_batches as f32;
+        self.grads.iter_mut().for_each(|g| *g *= inv);
+
+        // 4. update: AdamW on my shard only
+        self.opt.step(&mut self.master, &self.grads[mine.clone()]);
+        // ANCHOR_END: step
+
+        let m = s.sampler.micro_batches as f64;
+        let loss = (w.sum_f64(&[loss_sum])[0] / m) as f32;
+        let (reference_loss, divergence) = match self.reference.as_mut() {
+            None => (None, None),
+            Some(r) => {
+                let ref_loss = reference_loss(s, &r.params, step)?;
+                r.opt.step(&mut r.params, &self.grads[..numel]);
+                let local = max_abs_diff(&self.master, &r.params, mine.start, numel);
+                (Some(ref_loss), Some(max_over_ranks(w, local)))
+            }
+        };
+        Ok(StepResult { loss, reference_loss, divergence })
+    }
+
+    /// The full weights, gathered (every rank calls; all get them).
+    pub fn gather_full(&mut self, w: &World) -> &[f32] {
+        w.all_gather(&self.master, &mut self.gathered);
+        &self.gathered[..self.layout.numel]
+    }
+
+    // ANCHOR: tally
+    /// Bytes this rank holds, by category, from shapes.
+    pub fn tally(&self, s: &Session) -> MemoryTally {
+        let (l, numel) = (self.layout, self.layout.numel);
+        let n = l.world;
+        let mut t = MemoryTally::new();
+        let share = format!("1/{n} of the model");
+        t.add("master params shard (fp32)", l.shard_len, 4, &share)
+            .add("AdamW m shard", l.shard_len, 4, &share)
+            .add("AdamW v shard", l.shard_len, 4, &share)
+            .add("gathered full params", l.padded, 4, "all-gather output, full copy")
+            .add("params as candle Vars", numel, 4, "compute copy, full")
+            .add("grads of one micro-batch", numel, 4, "candle's GradStore, full")
+            .add("grads (flat sum)", l.padded, 4, "full, all-reduced");
+        if n > 1 {
+            t.add("comm buffers", l.padded + l.shard_len, 4, "all-to-all receive + own shard");
+        }
+        if self.reference.is_some() {
+            t.add("--check reference", 3 * numel, 4, "replicated params, m, v");
+        }
+        let _ = s;
+        t
+    }
+    // ANCHOR_END: tally
+}
+
+/// The loss of the replicated reference on this step's global batch (forward only).
+fn reference_loss(s: &Session, params: &[f32], step: u64) -> anyhow::Result<f32> {
+    let vars = s.model.vars_from_flat(&s.table, params)?;
+    let ps: Vec<_> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let mut sum = 0.0;
+    for k in s.my_micro_batches() {
+        let b = s.sampler.micro_batch(step, k)?;
+        let logits = s.model.forward(&s.table, &ps, &b.inputs)?;
+        sum += fsdp_gpt::model::loss(&logits, &b.targets)?.to_scalar::<f32>()? as f64;
+    }
+    Ok((s.world.sum_f64(&[sum])[0] / s.sampler.micro_batches as f64) as f32)
+}
+
+/// max |shard[i] − full[offset + i]| over the shard's real elements.
+fn max_abs_diff(shard: &[f32], full: &[f32], offset: usize, numel: usize) -> f32 {
+    let real = numel.saturating_sub(offset).min(shard.len());
+    shard[..real].iter().zip(&full[offset..offset + real]).map(|(a, b)| (a - b).abs()).fold(0.0, nan_max)
+}
+
+fn max_over_ranks(w: &World, local: f32) -> f32 {
+    w.gather_control(&[local]).into_iter().fold(0.0, nan_max)
+}
+
+/// `max` that keeps a NaN (f32::max would hide one: a broken run must not read as 0).
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b > a { if a.is_nan() { a } else { b } } else { a }
+}

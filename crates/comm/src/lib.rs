@@ -1,0 +1,34 @@
+//! # fsdp-comm — the wire
+//!
+//! Everything the lessons send between ranks goes through this crate, kept
+//! apart from the algorithms (as picotron keeps `*_communications.py` apart):
+//!
+//! - [`World`]: the MPI world (rank, size) and the collectives —
+//!   `all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `barrier`;
+//!   `World::init` works without mpirun too (a world of one).
+//! - **Ordered reductions**: every element's sum is formed in rank order
+//!   `0, 1, …, N−1`, so `all_reduce ≡ reduce_scatter + all_gather` bit for bit
+//!   at any N. MPI's own reductions pick summation trees that differ between
+//!   collectives and world sizes; the native all-reduce stays available
+//!   ([`World::all_reduce_native`]) for comparison.
+//! - [`ShardLayout`]: who owns which slice of a flat vector, as pure arithmetic.
+//! - [`Traffic`]: calls, bytes and wall time per collective kind.
+//!
+//! ```
+//! use fsdp_comm::ShardLayout;
+//! // 10 parameters over 4 ranks: padded to 12, 3 per rank, the last rank holds 1 real + 2 padding.
+//! let layout = ShardLayout::new(10, 4);
+//! assert_eq!(layout.padded, 12);
+//! assert_eq!(layout.shard(3).offset, 9);
+//! assert_eq!(layout.real_len(3), 1);
+//! ```
+
+pub mod layout;
+pub mod reduce;
+pub mod traffic;
+pub mod world;
+
+pub use layout::{ShardInfo, ShardLayout};
+pub use reduce::sum_in_rank_order;
+pub use traffic::{Collective, Traffic, TrafficStats};
+pub use world::{CommError, World, abort_job};

@@ -1,0 +1,198 @@
+//! The MPI world and the collectives, each recorded in [`Traffic`].
+use std::cell::RefCell;
+use std::time::Instant;
+
+use mpi::collective::SystemOperation;
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::*;
+use thiserror::Error;
+
+use crate::layout::ShardLayout;
+use crate::reduce::sum_in_rank_order;
+use crate::traffic::{Collective, Traffic};
+
+#[derive(Debug, Error)]
+pub enum CommError {
+    #[error("MPI is already initialised in this process")]
+    AlreadyInitialized,
+}
+
+/// This process's place in the MPI world, and the collectives over it.
+pub struct World {
+    // Dropping the universe finalises MPI; it lives as long as the world.
+    _universe: mpi::environment::Universe,
+    comm: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    traffic: RefCell<Traffic>,
+    /// Reused by the ordered reductions: everyone's copy of my shard, N × shard.
+    scratch: RefCell<Vec<f32>>,
+}
+
+const F32: usize = std::mem::size_of::<f32>();
+
+impl World {
+    /// Joins the MPI world: under `mpirun -n N` a world of N, run directly a world of 1.
+    pub fn init() -> Result<Self, CommError> {
+        let universe = mpi::initialize().ok_or(CommError::AlreadyInitialized)?;
+        let comm = universe.world();
+        let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+        Ok(Self { _universe: universe, comm, rank, size, traffic: Default::default(), scratch: Default::default() })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn size(&self) -> usize {
+        self.size
+    }
+    pub fn is_root(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// What this rank has sent and received so far, per collective kind.
+    pub fn traffic(&self) -> Traffic {
+        self.traffic.borrow().clone()
+    }
+    pub fn reset_traffic(&self) {
+        *self.traffic.borrow_mut() = Traffic::default();
+    }
+
+    fn timed<R>(&self, kind: Collective, sent: usize, received: usize, f: impl FnOnce() -> R) -> R {
+        let t0 = Instant::now();
+        let r = f();
+        self.traffic.borrow_mut().record(kind, sent, received, t0.elapsed().as_secs_f64());
+        r
+    }
+
+    /// **all-gather**: every rank contributes `mine` (one shard); afterwards
+    /// `all` holds every rank's shard in rank order (`all.len() == N · mine.len()`).
+    pub fn all_gather<T: Equivalence + Copy>(&self, mine: &[T], all: &mut [T]) {
+        assert_eq!(all.len(), mine.len() * self.size, "all_gather: output must hold N shards");
+        let bytes = (self.size - 1) * std::mem::size_of_val(mine);
+        self.timed(Collective::AllGather, bytes, bytes, || {
+            if self.size == 1 {
+                all.copy_from_slice(mine);
+            } else {
+                self.comm.all_gather_into(mine, all);
+            }
+        });
+    }
+
+    /// **reduce-scatter**, ordered: `full` is this rank's contribution to the
+    /// whole (padded) vector, N shards long; afterwards `mine` holds the sum
+    /// over ranks of this rank's shard, added in rank order 0..N−1.
+    ///
+    /// Implemented as an all-to-all (rank j receives everyone's shard j),
+    /// then a local sum in rank order: the same bytes on the wire as a ring
+    /// reduce-scatter, but a summation order that never depends on N's
+    /// factorisation or on MPI's choice of algorithm.
+    pub fn reduce_scatter(&self, full: &[f32], mine: &mut [f32]) {
+        let n = mine.len();
+        assert_eq!(full.len(), n * self.size, "reduce_scatter: input must hold N shards");
+        let bytes = (self.size - 1) * n * F32;
+        self.timed(Collective::ReduceScatter, bytes, bytes, || self.reduce_scatter_untimed(full, mine));
+    }
+
+    fn reduce_scatter_untimed(&self, full: &[f32], mine: &mut [f32]) {
+        if self.size == 1 {
+            mine.copy_from_slice(full);
+            return;
+        }
+        let mut scratch = self.scratch.borrow_mut();
+        scratch.resize(full.len(), 0.0);
+        self.comm.all_to_all_into(full, &mut scratch[..]);
+        sum_in_rank_order(scratch.chunks_exact(mine.len()), mine);
+    }
+
+    /// **all-reduce**, ordered: `buf` becomes the element-wise sum over ranks,
+    /// bit for bit equal to `reduce_scatter` followed by `all_gather`, because
+    /// that is how it is done. `buf.len()` must be a multiple of N (pad it; see
+    /// [`ShardLayout`]).
+    pub fn all_reduce(&self, buf: &mut [f32], shard: &mut [f32]) {
+        let layout = ShardLayout::new(buf.len(), self.size);
+        assert_eq!(layout.padding(), 0, "all_reduce: pad the buffer to a multiple of the world size");
+        assert_eq!(shard.len(), layout.shard_len, "all_reduce: shard buffer must be 1/N of the vector");
+        let bytes = 2 * (self.size - 1) * layout.shard_len * F32;
+        self.timed(Collective::AllReduce, bytes, bytes, || {
+            self.reduce_scatter_untimed(buf, shard);
+            if self.size == 1 {
+                buf.copy_from_slice(shard);
+            } else {
+                self.comm.all_gather_into(&shard[..], buf);
+            }
+        });
+    }
+
+    /// MPI's own `MPI_Allreduce(SUM)`: typically faster, but its summation
+    /// order is MPI's choice and differs between world sizes and from
+    /// `MPI_Reduce_scatter` — kept only to measure against the ordered one.
+    pub fn all_reduce_native(&self, buf: &mut [f32]) {
+        let bytes = 2 * (self.size - 1) * buf.len().div_ceil(self.size) * F32;
+        self.timed(Collective::AllReduce, bytes, bytes, || {
+            if self.size > 1 {
+                let send = buf.to_vec();
+                self.comm.all_reduce_into(&send[..], buf, SystemOperation::sum());
+            }
+        });
+    }
+
+    /// **broadcast** `buf` from `root` to every rank.
+    pub fn broadcast<T: Equivalence>(&self, buf: &mut [T], root: usize) {
+        let bytes = if self.rank == root { (self.size - 1) * std::mem::size_of_val(buf) } else { 0 };
+        let recv = if self.rank == root { 0 } else { std::mem::size_of_val(buf) };
+        self.timed(Collective::Broadcast, bytes, recv, || {
+            if self.size > 1 {
+                self.comm.process_at_rank(root as i32).broadcast_into(buf);
+            }
+        });
+    }
+
+    pub fn barrier(&self) {
+        self.timed(Collective::Control, 0, 0, || self.comm.barrier());
+    }
+
+    /// Sum of a few `f64` control values (losses, counters) in rank order.
+    pub fn sum_f64(&self, values: &[f64]) -> Vec<f64> {
+        let all = self.gather_control(values);
+        let mut out = vec![0.0; values.len()];
+        for chunk in all.chunks_exact(values.len()) {
+            out.iter_mut().zip(chunk).for_each(|(o, x)| *o += x);
+        }
+        out
+    }
+
+    /// Every rank's `values`, concatenated in rank order (small control data).
+    pub fn gather_control<T: Equivalence + Copy + Default>(&self, values: &[T]) -> Vec<T> {
+        let mut all = vec![T::default(); values.len() * self.size];
+        let bytes = (self.size - 1) * std::mem::size_of_val(values);
+        self.timed(Collective::Control, bytes, bytes, || {
+            if self.size == 1 {
+                all.copy_from_slice(values);
+            } else {
+                self.comm.all_gather_into(values, &mut all[..]);
+            }
+        });
+        all
+    }
+
+    /// True on every rank iff `ok` is true on every rank: lets all ranks stop
+    /// together, cleanly, when any of them hit a problem.
+    pub fn all_ok(&self, ok: bool) -> bool {
+        self.gather_control(&[ok as u8]).iter().all(|&x| x == 1)
+    }
+
+    /// Ends every rank of the job at once with `code` (`MPI_Abort`): for a
+    /// failure on one rank while the others may be waiting in a collective.
+    pub fn abort(&self, code: i32) -> ! {
+        self.comm.abort(code)
+    }
+}
+
+/// Ends every rank of the job (`MPI_Abort` on the world) from a place that
+/// has no [`World`] at hand, such as a panic hook. MPI must be initialised.
+pub fn abort_job(code: i32) -> ! {
+    // SAFETY: called only after `World::init`; MPI_Abort does not return.
+    unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code) };
+    std::process::exit(code)
+}

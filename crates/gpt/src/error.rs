@@ -1,0 +1,16 @@
+//! Typed errors of the model crate; the binaries report them once, at the edge.
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum GptError {
+    #[error("unknown preset `{0}`: choose one of tiny, small, gpt2")]
+    UnknownPreset(String),
+    #[error("data file {path}: {reason}")]
+    Data { path: String, reason: String },
+    #[error("weights file {path}: {reason}")]
+    Weights { path: String, reason: String },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, GptError>;

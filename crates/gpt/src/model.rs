@@ -1,0 +1,275 @@
+//! The forward pass, written so it can also run one unit at a time.
+//!
+//! Shapes: B batch, T time (sequence), C channels (n_embd), V vocabulary,
+//! nh heads, hs head size (C / nh).
+//!
+//! Every function takes its parameters as plain tensors, in the order of
+//! [`crate::ParamTable`]: the model owns no weights. A lesson passes candle
+//! `Var`s (so `backward` finds them) built from whatever flat vector it holds.
+//!
+//! **Why no fused ops:** candle-nn's `softmax_last_dim`, `layer_norm`,
+//! `rms_norm` and the `LayerNorm` module on contiguous input have no backward
+//! pass — gradients silently stop there. Everything below is composed of ops
+//! that have one, and `tests/gradcheck.rs`-style finite differences (this
+//! module's tests) guard every parameter.
+use candle_core::{D, DType, Device, Tensor, Var};
+
+use crate::config::GptConfig;
+use crate::error::{GptError, Result};
+use crate::params::{PARAMS_PER_BLOCK, ParamTable, Unit};
+
+const LN_EPS: f64 = 1e-5;
+
+/// The model: a shape and the functions that run it.
+#[derive(Debug, Clone)]
+pub struct Gpt {
+    pub cfg: GptConfig,
+}
+
+impl Gpt {
+    pub fn new(cfg: GptConfig) -> Self {
+        Self { cfg }
+    }
+
+    /// One candle `Var` per parameter tensor, copied from `flat` (the unit's
+    /// or the whole model's part of the flat vector, starting at `specs[first]`).
+    pub fn vars_from_flat(&self, table: &ParamTable, flat: &[f32]) -> Result<Vec<Var>> {
+        self.unit_vars_from_flat(table, 0..table.specs.len(), flat)
+    }
+
+    /// `Var`s for the parameter entries `params` (e.g. one unit's), reading
+    /// from `flat`, which holds exactly those parameters back to back.
+    pub fn unit_vars_from_flat(
+        &self,
+        table: &ParamTable,
+        params: std::ops::Range<usize>,
+        flat: &[f32],
+    ) -> Result<Vec<Var>> {
+        let base = table.specs[params.start].offset;
+        table.specs[params]
+            .iter()
+            .map(|s| {
+                let r = s.offset - base..s.offset - base + s.numel();
+                Ok(Var::from_slice(&flat[r], s.shape.as_slice(), &Device::Cpu)?)
+            })
+            .collect()
+    }
+
+    /// Token + position embedding. `idx`: (B, T) u32 → (B, T, C).
+    pub fn embed(&self, wte: &Tensor, wpe: &Tensor, idx: &Tensor) -> Result<Tensor> {
+        let (_b, t) = idx.dims2()?;
+        let tok = wte.embedding(&idx.flatten_all()?)?.reshape((idx.dims()[0], t, self.cfg.n_embd))?; // (B, T, C)
+        let pos = wpe.narrow(0, 0, t)?; // (T, C)
+        Ok(tok.broadcast_add(&pos)?)
+    }
+
+    /// One transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+    /// `p` are the block's 12 tensors in table order. (B, T, C) → (B, T, C).
+    pub fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        assert_eq!(p.len(), PARAMS_PER_BLOCK, "a block has {PARAMS_PER_BLOCK} parameter tensors");
+        let x = (x + self.attention(&p[2..6], &layer_norm(x, &p[0], &p[1])?)?)?;
+        let h = linear(&layer_norm(&x, &p[6], &p[7])?, &p[8], &p[9])?.gelu_erf()?; // (B, T, 4C)
+        Ok((&x + linear(&h, &p[10], &p[11])?)?)
+    }
+
+    /// Causal self-attention. `p` = c_attn.{weight,bias}, c_proj.{weight,bias}.
+    fn attention(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let (nh, hs) = (self.cfg.n_head, self.cfg.head_size());
+        let qkv = linear(x, &p[0], &p[1])?; // (B, T, 3C)
+        let heads = |i: usize| -> Result<Tensor> {
+            // (B, T, C) → (B, nh, T, hs)
+            Ok(qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hs))?.transpose(1, 2)?.contiguous()?)
+        };
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let att = (q.matmul(&k.t()?)? * (1.0 / (hs as f64).sqrt()))?; // (B, nh, T, T)
+        let att = att.broadcast_add(&causal_mask(t, x.dtype())?)?;
+        // `ops::softmax`, not the fused `softmax_last_dim`: the fused one has no backward.
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att.matmul(&v)?; // (B, nh, T, hs)
+        let y = y.transpose(1, 2)?.reshape((b, t, c))?; // re-assemble the heads
+        linear(&y, &p[2], &p[3])
+    }
+
+    /// Final LayerNorm and the tied lm_head. (B, T, C) → logits (B, T, V).
+    pub fn head(&self, ln_w: &Tensor, ln_b: &Tensor, wte: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let x = layer_norm(x, ln_w, ln_b)?;
+        let (b, t, c) = x.dims3()?;
+        Ok(x.reshape((b * t, c))?.matmul(&wte.t()?)?.reshape((b, t, self.cfg.vocab_size))?)
+    }
+
+    /// The whole forward pass: `params` in table order. (B, T) → (B, T, V).
+    pub fn forward(&self, table: &ParamTable, params: &[Tensor], idx: &Tensor) -> Result<Tensor> {
+        let mut x = self.embed(&params[0], &params[1], idx)?;
+        for u in table.units() {
+            if let Unit::Block(_) = u {
+                x = self.block(&params[table.unit_params(u)], &x)?;
+            }
+        }
+        let ln = table.unit_params(Unit::FinalNorm);
+        self.head(&params[ln.start], &params[ln.start + 1], &params[0], &x)
+    }
+}
+
+/// Mean cross-entropy of logits (B, T, V) against targets (B, T) u32.
+pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    Ok(candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, &targets.flatten_all()?)?)
+}
+
+/// `x @ w.T + b` with torch's (out, in) weight layout. (B, T, in) → (B, T, out).
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (bs, t, cin) = x.dims3()?;
+    let y = x.reshape((bs * t, cin))?.matmul(&w.t()?)?.broadcast_add(b)?; // (B*T, out)
+    Ok(y.reshape((bs, t, w.dims()[0]))?)
+}
+
+/// LayerNorm over the last dimension, composed of ops that all have a backward.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let xn = xc.broadcast_div(&(var + LN_EPS)?.sqrt()?)?;
+    Ok(xn.broadcast_mul(w)?.broadcast_add(b)?)
+}
+
+/// (T, T): 0 on and below the diagonal, -inf above (a token sees only its past).
+fn causal_mask(t: usize, dtype: DType) -> Result<Tensor> {
+    let m: Vec<f32> =
+        (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
+    Ok(Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+/// Runs `f` on the `f32` values of a tensor without copying them out.
+pub fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let t = t.contiguous()?; // no copy when it already is
+    let (storage, layout) = t.storage_and_layout();
+    let cpu = match &*storage {
+        candle_core::Storage::Cpu(cpu) => cpu,
+        #[allow(unreachable_patterns)]
+        _ => return Err(GptError::Candle(candle_core::Error::Msg("tensor is not on the CPU".into()))),
+    };
+    let all = cpu.as_slice::<f32>()?;
+    let start = layout.start_offset();
+    Ok(f(&all[start..start + t.elem_count()]))
+}
+
+/// Writes the gradient of each `var` into `out` (their flat slots, back to
+/// back); a parameter that received no gradient gets zeros.
+pub fn copy_grads(grads: &candle_core::backprop::GradStore, vars: &[Var], out: &mut [f32]) -> Result<()> {
+    let mut at = 0;
+    for v in vars {
+        let n = v.elem_count();
+        let slot = &mut out[at..at + n];
+        match grads.get(v.as_tensor()) {
+            Some(g) => with_f32_values(g, |g| slot.copy_from_slice(g))?,
+            None => slot.fill(0.0),
+        }
+        at += n;
+    }
+    Ok(())
+}
+
+/// Adds the gradient of each `var` onto `acc` (their flat slots, back to
+/// back): `acc += g`, the gradient-accumulation step. Used for the sum over
+/// micro-batches, so its order of additions is part of every lesson's result.
+pub fn add_grads(grads: &candle_core::backprop::GradStore, vars: &[Var], acc: &mut [f32]) -> Result<()> {
+    let mut at = 0;
+    for v in vars {
+        let n = v.elem_count();
+        if let Some(g) = grads.get(v.as_tensor()) {
+            let slot = &mut acc[at..at + n];
+            with_f32_values(g, |g| slot.iter_mut().zip(g).for_each(|(a, x)| *a += x))?;
+        }
+        at += n;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::ParamTable;
+
+    /// A model small enough for finite differences, in f64 so they are exact enough.
+    fn micro() -> (Gpt, ParamTable, Vec<f64>) {
+        let cfg = GptConfig { vocab_size: 7, block_size: 5, n_layer: 2, n_head: 2, n_embd: 8 };
+        let table = ParamTable::new(&cfg);
+        // Perturb every parameter (LayerNorm gains at 1, biases at 0 would hide bugs).
+        let mut rng = crate::rng::SplitMix64::new(99);
+        let flat = table.init_flat(3).iter().map(|&x| x as f64 + 0.1 * rng.normal()).collect();
+        (Gpt::new(cfg), table, flat)
+    }
+
+    fn loss_at(gpt: &Gpt, table: &ParamTable, flat: &[f64], idx: &Tensor, tgt: &Tensor) -> f64 {
+        let ps: Vec<Tensor> = table
+            .specs
+            .iter()
+            .map(|s| Tensor::from_slice(&flat[s.range()], s.shape.as_slice(), &Device::Cpu).unwrap())
+            .collect();
+        loss(&gpt.forward(table, &ps, idx).unwrap(), tgt).unwrap().to_scalar::<f64>().unwrap()
+    }
+
+    /// Every parameter tensor's analytic gradient agrees with central finite
+    /// differences. A fused op without backward would give zeros here and fail.
+    #[test]
+    fn gradients_match_finite_differences_for_every_parameter() {
+        let (gpt, table, flat) = micro();
+        let idx = Tensor::new(&[[1u32, 4, 2, 6, 0], [3, 3, 5, 1, 2]], &Device::Cpu).unwrap();
+        let tgt = Tensor::new(&[[4u32, 2, 6, 0, 5], [3, 5, 1, 2, 6]], &Device::Cpu).unwrap();
+        let vars: Vec<Var> = table
+            .specs
+            .iter()
+            .map(|s| Var::from_slice(&flat[s.range()], s.shape.as_slice(), &Device::Cpu).unwrap())
+            .collect();
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let grads = loss(&gpt.forward(&table, &ts, &idx).unwrap(), &tgt).unwrap().backward().unwrap();
+        let h = 1e-6;
+        for (spec, var) in table.specs.iter().zip(&vars) {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{}: no gradient reached it", spec.name))
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap();
+            // Check a spread of elements of each tensor.
+            let n = spec.numel();
+            for k in [0, n / 3, n / 2, n - 1] {
+                let mut f = flat.clone();
+                f[spec.offset + k] += h;
+                let up = loss_at(&gpt, &table, &f, &idx, &tgt);
+                f[spec.offset + k] -= 2.0 * h;
+                let down = loss_at(&gpt, &table, &f, &idx, &tgt);
+                let numeric = (up - down) / (2.0 * h);
+                // Relative agreement, with an absolute floor for gradients that are
+                // truly zero (the key bias: softmax ignores a constant shift).
+                let ok = (numeric - g[k]).abs() <= 1e-5 * (numeric.abs() + g[k].abs()) + 1e-8;
+                assert!(ok, "{}[{k}]: analytic {} vs numeric {numeric}", spec.name, g[k]);
+            }
+            assert!(g.iter().any(|&x| x != 0.0), "{}: gradient is all zeros", spec.name);
+        }
+    }
+
+    #[test]
+    fn block_by_block_equals_whole_forward() {
+        let (gpt, table, flat) = micro();
+        let flat32: Vec<f32> = flat.iter().map(|&x| x as f32).collect();
+        let vars = gpt.vars_from_flat(&table, &flat32).unwrap();
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let idx = Tensor::new(&[[1u32, 4, 2]], &Device::Cpu).unwrap();
+        let whole = gpt.forward(&table, &ts, &idx).unwrap();
+        let mut x = gpt.embed(&ts[0], &ts[1], &idx).unwrap();
+        for i in 0..2 {
+            let r = table.unit_params(Unit::Block(i));
+            let unit = gpt.unit_vars_from_flat(&table, r.clone(), &flat32[table.unit_range(Unit::Block(i))]).unwrap();
+            let unit: Vec<Tensor> = unit.iter().map(|v| v.as_tensor().clone()).collect();
+            x = gpt.block(&unit, &x).unwrap();
+        }
+        let ln = table.unit_params(Unit::FinalNorm);
+        let by_unit = gpt.head(&ts[ln.start], &ts[ln.start + 1], &ts[0], &x).unwrap();
+        let a = whole.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let b = by_unit.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a, b);
+    }
+}

@@ -1,0 +1,228 @@
+//! The parameter table: every parameter's nanoGPT name, shape and place in
+//! the one flat `f32` vector that the lessons gather, reduce and shard.
+//!
+//! The order is nanoGPT's `named_parameters()` order (the tied `lm_head.weight`
+//! is `transformer.wte.weight` and appears once):
+//!
+//! ```text
+//! transformer.wte.weight            (vocab, C)    token embedding, also the lm_head
+//! transformer.wpe.weight            (T, C)        position embedding
+//! transformer.h.{i}.ln_1.weight     (C)           ┐
+//! transformer.h.{i}.ln_1.bias       (C)           │
+//! transformer.h.{i}.attn.c_attn.weight (3C, C)    │ block i, for i in 0..n_layer;
+//! transformer.h.{i}.attn.c_attn.bias   (3C)       │ linear weights are (out, in)
+//! transformer.h.{i}.attn.c_proj.weight (C, C)     │ like torch's nn.Linear
+//! transformer.h.{i}.attn.c_proj.bias   (C)        │
+//! transformer.h.{i}.ln_2.weight     (C)           │
+//! transformer.h.{i}.ln_2.bias       (C)           │
+//! transformer.h.{i}.mlp.c_fc.weight (4C, C)       │
+//! transformer.h.{i}.mlp.c_fc.bias   (4C)          │
+//! transformer.h.{i}.mlp.c_proj.weight (C, 4C)     │
+//! transformer.h.{i}.mlp.c_proj.bias (C)           ┘
+//! transformer.ln_f.weight           (C)
+//! transformer.ln_f.bias             (C)
+//! ```
+use std::ops::Range;
+
+use crate::config::GptConfig;
+use crate::rng::SplitMix64;
+
+/// How a parameter starts (nanoGPT's `_init_weights`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// Normal(0, std): embeddings and linear weights.
+    Normal(f64),
+    Zeros,
+    Ones,
+}
+
+/// One parameter tensor: its name, shape, initialisation and flat offset.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub init: Init,
+    /// Where the tensor starts in the flat vector.
+    pub offset: usize,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.numel()
+    }
+}
+
+/// A group of consecutive parameters that runs as one piece of the forward
+/// pass: the unit lesson 03 gathers, computes and frees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// `wte`, `wpe`: token + position embedding (and, tied, the lm_head).
+    Embedding,
+    /// `transformer.h.{i}`: one transformer block.
+    Block(usize),
+    /// `ln_f`: the final LayerNorm.
+    FinalNorm,
+}
+
+/// Parameters per block, in order (see the module docs).
+pub const PARAMS_PER_BLOCK: usize = 12;
+
+/// The parameter table of one model shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamTable {
+    pub specs: Vec<ParamSpec>,
+    n_layer: usize,
+}
+
+impl ParamTable {
+    pub fn new(cfg: &GptConfig) -> Self {
+        let c = cfg.n_embd;
+        let std = 0.02;
+        // GPT-2's scaled init of the projections that write into the residual stream.
+        let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
+        let mut list: Vec<(String, Vec<usize>, Init)> = vec![
+            ("transformer.wte.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std)),
+            ("transformer.wpe.weight".into(), vec![cfg.block_size, c], Init::Normal(std)),
+        ];
+        for i in 0..cfg.n_layer {
+            let p = |s: &str| format!("transformer.h.{i}.{s}");
+            list.extend([
+                (p("ln_1.weight"), vec![c], Init::Ones),
+                (p("ln_1.bias"), vec![c], Init::Zeros),
+                (p("attn.c_attn.weight"), vec![3 * c, c], Init::Normal(std)),
+                (p("attn.c_attn.bias"), vec![3 * c], Init::Zeros),
+                (p("attn.c_proj.weight"), vec![c, c], Init::Normal(proj_std)),
+                (p("attn.c_proj.bias"), vec![c], Init::Zeros),
+                (p("ln_2.weight"), vec![c], Init::Ones),
+                (p("ln_2.bias"), vec![c], Init::Zeros),
+                (p("mlp.c_fc.weight"), vec![4 * c, c], Init::Normal(std)),
+                (p("mlp.c_fc.bias"), vec![4 * c], Init::Zeros),
+                (p("mlp.c_proj.weight"), vec![c, 4 * c], Init::Normal(proj_std)),
+                (p("mlp.c_proj.bias"), vec![c], Init::Zeros),
+            ]);
+        }
+        list.push(("transformer.ln_f.weight".into(), vec![c], Init::Ones));
+        list.push(("transformer.ln_f.bias".into(), vec![c], Init::Zeros));
+
+        let mut offset = 0;
+        let specs = list
+            .into_iter()
+            .map(|(name, shape, init)| {
+                let spec = ParamSpec { name, shape, init, offset };
+                offset += spec.numel();
+                spec
+            })
+            .collect();
+        Self { specs, n_layer: cfg.n_layer }
+    }
+
+    /// Total number of parameters (the flat vector's length, before any padding).
+    pub fn numel(&self) -> usize {
+        self.specs.last().map_or(0, |s| s.offset + s.numel())
+    }
+
+    /// The units in forward order: embedding, blocks 0..n_layer, final norm.
+    pub fn units(&self) -> Vec<Unit> {
+        let mut u = vec![Unit::Embedding];
+        u.extend((0..self.n_layer).map(Unit::Block));
+        u.push(Unit::FinalNorm);
+        u
+    }
+
+    /// Which entries of `specs` belong to a unit (always consecutive).
+    pub fn unit_params(&self, unit: Unit) -> Range<usize> {
+        match unit {
+            Unit::Embedding => 0..2,
+            Unit::Block(i) => 2 + i * PARAMS_PER_BLOCK..2 + (i + 1) * PARAMS_PER_BLOCK,
+            Unit::FinalNorm => 2 + self.n_layer * PARAMS_PER_BLOCK..self.specs.len(),
+        }
+    }
+
+    /// Where a unit's parameters sit in the flat vector (always contiguous).
+    pub fn unit_range(&self, unit: Unit) -> Range<usize> {
+        let p = self.unit_params(unit);
+        self.specs[p.start].offset..self.specs[p.end - 1].range().end
+    }
+
+    /// The initial flat parameter vector, a pure function of the seed: every
+    /// rank computes the same bits without talking to any other.
+    /// Each tensor draws from its own stream `(seed, index)`, so adding a layer
+    /// does not change the others' initial values.
+    pub fn init_flat(&self, seed: u64) -> Vec<f32> {
+        let mut flat = vec![0f32; self.numel()];
+        for (i, spec) in self.specs.iter().enumerate() {
+            let out = &mut flat[spec.range()];
+            match spec.init {
+                Init::Zeros => {}
+                Init::Ones => out.fill(1.0),
+                Init::Normal(std) => {
+                    let mut rng = SplitMix64::for_stream(seed, i as u64);
+                    out.iter_mut().for_each(|x| *x = (rng.normal() * std) as f32);
+                }
+            }
+        }
+        flat
+    }
+}
+
+/// A 64-bit digest of `f32` bit patterns (FNV-1a over the little-endian bytes):
+/// equal digests of two weight vectors mean, for our purposes, equal bits.
+pub fn digest_f32(values: &[f32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in values {
+        for b in v.to_bits().to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(preset: &str) -> usize {
+        ParamTable::new(&GptConfig::preset(preset, 65).unwrap()).numel()
+    }
+
+    #[test]
+    fn preset_sizes_match_the_docs() {
+        // 809,856 is also what PyTorch's nanoGPT reports for this shape.
+        assert_eq!(count("tiny"), 809_856);
+        assert_eq!(count("small"), 10_721_664);
+        assert_eq!(count("gpt2"), 85_892_352);
+    }
+
+    #[test]
+    fn units_tile_the_flat_vector_in_order() {
+        let t = ParamTable::new(&GptConfig::preset("tiny", 65).unwrap());
+        let mut next = 0;
+        for u in t.units() {
+            let r = t.unit_range(u);
+            assert_eq!(r.start, next, "{u:?}");
+            next = r.end;
+        }
+        assert_eq!(next, t.numel());
+        assert_eq!(t.unit_range(Unit::Block(0)).len(), 198_272);
+        assert_eq!(t.specs[t.unit_params(Unit::Block(3)).start].name, "transformer.h.3.ln_1.weight");
+        assert_eq!(t.specs.last().unwrap().name, "transformer.ln_f.bias");
+    }
+
+    #[test]
+    fn init_is_a_pure_function_of_the_seed() {
+        let t = ParamTable::new(&GptConfig::preset("tiny", 65).unwrap());
+        let a = t.init_flat(1);
+        assert_eq!(digest_f32(&a), digest_f32(&t.init_flat(1)));
+        assert_ne!(digest_f32(&a), digest_f32(&t.init_flat(2)));
+        // LayerNorm gains start at one, biases at zero, weights near N(0, 0.02).
+        let ln1 = &t.specs[2];
+        assert!(a[ln1.range()].iter().all(|&x| x == 1.0));
+        let wte = &a[t.specs[0].range()];
+        let std = (wte.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / wte.len() as f64).sqrt();
+        assert!((std - 0.02).abs() < 0.001, "{std}");
+    }
+}

@@ -1,0 +1,95 @@
+//! The flags every lesson shares. A lesson adds its own with
+//! `#[command(flatten)] train: TrainArgs` and passes the whole struct to
+//! [`parse_args`]. Every `///` line here becomes `--help` text.
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::edge::{Lesson, Stop};
+
+#[derive(Debug, Clone, Parser)]
+pub struct TrainArgs {
+    /// Model shape: tiny (0.8M params), small (10.7M) or gpt2 (86M, GPT-2 small's body).
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+
+    /// Optimizer steps to train.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub steps: u64,
+
+    /// Seed of the initial weights and of the batches; same seed, same bits.
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3, value_parser = positive_f32)]
+    pub lr: f32,
+
+    /// AdamW decoupled weight decay (torch's default 0.01).
+    #[arg(long, default_value_t = 0.01, value_parser = non_negative_f32)]
+    pub weight_decay: f32,
+
+    /// Sequences per micro-batch (B).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub batch_size: u32,
+
+    /// Tokens per sequence (T); at most the preset's block size. Default: the block size.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub seq_len: Option<u32>,
+
+    /// Micro-batches per optimizer step (M), over all ranks together: the
+    /// global batch is M·B·T tokens at every world size; each rank takes M/N.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub micro_batches: u32,
+
+    /// Train on this UTF-8 text file instead of the generated corpus.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+
+    /// Folder for report.json, the plots and the final weights. Default: out/<lesson>.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+
+    /// Print a loss line every this many steps (and at the first and last).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub log_every: u64,
+
+    /// Verify every this many steps that the ranks' copies agree bit for bit (0: never).
+    #[arg(long, default_value_t = 10)]
+    pub check_every: u64,
+}
+
+fn positive_f32(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a positive number")),
+    }
+}
+
+fn non_negative_f32(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a number ≥ 0")),
+    }
+}
+
+/// Parses the command line. `--help` prints on rank 0 and ends the run with
+/// success; a bad flag becomes one line naming it (clap's first line).
+pub fn parse_args<P: Parser>(lesson: &Lesson) -> anyhow::Result<P> {
+    let cmd = P::command().name(lesson.package).about(lesson.title);
+    let matches = match cmd.try_get_matches() {
+        Ok(m) => m,
+        Err(e) => {
+            use clap::error::ErrorKind::*;
+            if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
+                if crate::edge::is_root() {
+                    print!("{}", e.render());
+                }
+                return Err(Stop::Success.into());
+            }
+            let first = e.render().to_string().lines().next().unwrap_or("bad arguments").trim_start_matches("error: ").to_string();
+            anyhow::bail!("{first} (see --help)");
+        }
+    };
+    Ok(P::from_arg_matches(&matches).map_err(|e| anyhow::anyhow!("{}", e.to_string().lines().next().unwrap_or("")))?)
+}

@@ -1,0 +1,132 @@
+//! The edge of every binary: MPI up, one thread per rank, errors reported
+//! once, every rank ended.
+//!
+//! - Errors during setup are agreed on by all ranks ([`crate::Session::new`]
+//!   ends with an agreement), so every rank returns and exits cleanly with
+//!   code 2 after rank 0 prints one line naming what to fix.
+//! - Errors or panics after setup, when other ranks may be waiting inside a
+//!   collective, print one line from the rank that failed and end the whole
+//!   job with `MPI_Abort`, so no rank is left hanging.
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+
+use fsdp_comm::World;
+
+/// What a lesson's binary is called and what it teaches.
+#[derive(Debug, Clone, Copy)]
+pub struct Lesson {
+    /// The package and binary name, e.g. `step02-whole-model-shard`.
+    pub package: &'static str,
+    pub title: &'static str,
+}
+
+impl Lesson {
+    /// `step02-whole-model-shard` → `02-whole-model-shard` (the crate folder and out/ subfolder).
+    pub fn short(&self) -> &'static str {
+        self.package.trim_start_matches("step")
+    }
+}
+
+/// Ends the run early without an error (e.g. after `--help`).
+#[derive(Debug, thiserror::Error)]
+pub enum Stop {
+    #[error("done")]
+    Success,
+    /// Setup failed on some rank; the message was already printed.
+    #[error("setup failed")]
+    Reported,
+}
+
+static IS_ROOT: AtomicBool = AtomicBool::new(true);
+static RANK: AtomicUsize = AtomicUsize::new(0);
+static SIZE: AtomicUsize = AtomicUsize::new(1);
+static SETUP_DONE: AtomicBool = AtomicBool::new(false);
+
+/// True on rank 0 (and before MPI is up): the rank that reports.
+pub fn is_root() -> bool {
+    IS_ROOT.load(Relaxed)
+}
+
+/// From here on, an error may leave other ranks waiting in a collective.
+pub fn mark_setup_done() {
+    SETUP_DONE.store(true, Relaxed);
+}
+
+/// Runs a lesson: sets one compute thread per rank (unless `RAYON_NUM_THREADS`
+/// says otherwise), joins MPI, runs `body`, and turns its error into one line
+/// and exit code 2.
+pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result<()>) -> ExitCode {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // SAFETY: no other thread exists yet (MPI and candle start theirs later).
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    }
+    let world = match World::init() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    IS_ROOT.store(world.is_root(), Relaxed);
+    RANK.store(world.rank(), Relaxed);
+    SIZE.store(world.size(), Relaxed);
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        eprintln!("error (rank {}): internal error: {msg}{at}", RANK.load(Relaxed));
+        if SIZE.load(Relaxed) > 1 {
+            fsdp_comm::abort_job(3);
+        }
+    }));
+
+    let result = body(&world, &lesson);
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => match e.downcast_ref::<Stop>() {
+            Some(Stop::Success) => ExitCode::SUCCESS,
+            Some(Stop::Reported) => ExitCode::from(2),
+            None if SETUP_DONE.load(Relaxed) && world.size() > 1 => {
+                eprintln!("error (rank {}): {e:#}", world.rank());
+                world.abort(2)
+            }
+            None => {
+                if world.is_root() {
+                    eprintln!("error: {e:#}");
+                }
+                ExitCode::from(2)
+            }
+        },
+    }
+}
+
+/// Setup's agreement: every rank learns whether every rank succeeded. Rank 0
+/// prints its own error; a rank that failed alone prints its own, prefixed
+/// with its number. All ranks then return an error together.
+pub fn agree<T>(world: &World, result: anyhow::Result<T>) -> anyhow::Result<T> {
+    let flags = world.gather_control(&[result.is_err() as u8]);
+    let root_failed = flags[0] == 1;
+    match result {
+        Ok(v) if flags.iter().all(|&f| f == 0) => Ok(v),
+        Ok(_) => {
+            if world.is_root() {
+                let failed: Vec<String> =
+                    flags.iter().enumerate().filter(|(_, f)| **f == 1).map(|(r, _)| r.to_string()).collect();
+                eprintln!("error: setup failed on rank {} (its message is above)", failed.join(", "));
+            }
+            Err(Stop::Reported.into())
+        }
+        Err(e) => {
+            if world.is_root() {
+                eprintln!("error: {e:#}");
+            } else if !root_failed {
+                eprintln!("error (rank {}): {e:#}", world.rank());
+            }
+            Err(Stop::Reported.into())
+        }
+    }
+}

@@ -1,0 +1,56 @@
+//! # fsdp-harness — everything around the algorithm
+//!
+//! Each lesson's binary is its algorithm plus this crate: the command line,
+//! the config table, the progress bar, the memory tally beside the measured
+//! heap, the traffic table, the JSON report, the SVG plots and the error
+//! handling that ends every rank cleanly. The harness offers mechanisms; it
+//! never decides what a lesson shards (llm.c's warning about `zero_stage`
+//! branches in shared code).
+//!
+//! ```no_run
+//! use fsdp_harness::{Lesson, Session, TrainArgs};
+//! const LESSON: Lesson = Lesson { package: "step01-data-parallel", title: "data parallelism" };
+//! fn main() -> std::process::ExitCode {
+//!     fsdp_harness::main(LESSON, |world, lesson| {
+//!         let args: TrainArgs = fsdp_harness::parse_args(lesson)?;
+//!         let session = Session::new(world, lesson, args)?;
+//!         // … the lesson's training loop …
+//!         # let _ = session;
+//!         Ok(())
+//!     })
+//! }
+//! ```
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`alloc`] | the counting global allocator (live and peak heap, per rank) |
+//! | [`cli`] | the flags every lesson shares |
+//! | [`session`] | config validation, data, model, the config table |
+//! | [`run`] | the training-loop bookkeeping: progress, losses, timing |
+//! | [`report`] | memory tally, traffic table, JSON, weights |
+//! | [`table`] | boxed text tables |
+//! | [`plot`] | small SVG line charts |
+//! | [`edge`] | `main`: errors reported once, on rank 0, every rank ends |
+
+pub mod alloc;
+pub mod cli;
+pub mod edge;
+pub mod plot;
+pub mod report;
+pub mod run;
+pub mod session;
+pub mod table;
+
+pub use cli::{TrainArgs, parse_args};
+pub use edge::{Lesson, main};
+pub use report::{MemoryTally, Report};
+pub use run::Run;
+pub use session::Session;
+
+/// Prints on rank 0 only (rank-0 output is the report; other ranks stay quiet).
+#[macro_export]
+macro_rules! print0 {
+    ($($arg:tt)*) => {
+        if $crate::edge::is_root() { println!($($arg)*); }
+    };
+}

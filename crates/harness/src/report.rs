@@ -1,0 +1,219 @@
+//! The end-of-run report: memory per rank computed from shapes beside the
+//! heap the counting allocator measured, bytes on the wire beside the
+//! theoretical count, the final loss and a digest of the final weights; the
+//! same as JSON, plus the loss curve and the weights on disk.
+use anyhow::Context;
+use fsdp_comm::{Collective, World};
+use serde_json::{Value, json};
+
+use crate::plot::{Chart, Series};
+use crate::run::Run;
+use crate::session::Session;
+use crate::table::{Table, mb, thousands};
+
+/// One category of memory a rank holds, computed from shapes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TallyRow {
+    pub category: String,
+    pub elems: usize,
+    pub bytes_per_elem: usize,
+    pub note: String,
+}
+
+impl TallyRow {
+    pub fn bytes(&self) -> u64 {
+        (self.elems * self.bytes_per_elem) as u64
+    }
+}
+
+/// Bytes per rank by category, from shapes alone (no measurement).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MemoryTally {
+    pub rows: Vec<TallyRow>,
+}
+
+impl MemoryTally {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn add(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
+        self.rows.push(TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into() });
+        self
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.rows.iter().map(TallyRow::bytes).sum()
+    }
+
+    /// The tally as a table, ending with its total.
+    pub fn table(&self) -> Table {
+        let mut t = Table::new(["memory per rank (from shapes)", "elements", "bytes", "MB", "note"]);
+        for r in &self.rows {
+            t.row([r.category.clone(), thousands(r.elems as u64), thousands(r.bytes()), mb(r.bytes()), r.note.clone()]);
+        }
+        t.separator();
+        t.row(["total".to_string(), String::new(), thousands(self.total_bytes()), mb(self.total_bytes()), String::new()]);
+        t
+    }
+}
+
+/// Collects what a lesson wants reported, then prints and writes it all.
+pub struct Report<'a, 'w> {
+    session: &'a Session<'w>,
+    run: &'a Run,
+    tally: MemoryTally,
+    tables: Vec<String>,
+    expected: Vec<(Collective, u64)>,
+    json: serde_json::Map<String, Value>,
+    charts: Vec<(String, Vec<Chart>)>,
+    traffic: Option<fsdp_comm::Traffic>,
+}
+
+impl<'a, 'w> Report<'a, 'w> {
+    pub fn new(session: &'a Session<'w>, run: &'a Run, tally: MemoryTally) -> Self {
+        Self { session, run, tally, tables: vec![], expected: vec![], json: Default::default(), charts: vec![], traffic: None }
+    }
+
+    /// The theoretical bytes each rank must send per step for `kind`, shown
+    /// beside what was counted.
+    pub fn expect_traffic(&mut self, kind: Collective, bytes_per_step: u64) -> &mut Self {
+        self.expected.push((kind, bytes_per_step));
+        self
+    }
+
+    /// Report this traffic instead of the world's at `finish` — e.g. taken
+    /// before a final gather that is not part of training.
+    pub fn traffic(&mut self, traffic: fsdp_comm::Traffic) -> &mut Self {
+        self.traffic = Some(traffic);
+        self
+    }
+
+    /// A lesson's own table, printed before the memory tally.
+    pub fn table(&mut self, rendered: String) -> &mut Self {
+        self.tables.push(rendered);
+        self
+    }
+
+    /// An extra field of report.json.
+    pub fn json(&mut self, key: &str, value: Value) -> &mut Self {
+        self.json.insert(key.into(), value);
+        self
+    }
+
+    /// An extra SVG figure under `--out`.
+    pub fn chart(&mut self, file: &str, charts: Vec<Chart>) -> &mut Self {
+        self.charts.push((file.into(), charts));
+        self
+    }
+
+    /// Prints the report on rank 0 and writes report.json, loss.svg, the
+    /// figures and (when `final_params` is given on rank 0) weights.safetensors.
+    /// Collective: every rank calls it.
+    pub fn finish(self, final_params: Option<&[f32]>) -> anyhow::Result<()> {
+        let s = self.session;
+        let w: &World = s.world;
+        let peak = w.gather_control(&[crate::alloc::peak_bytes() as u64]);
+        let base = w.gather_control(&[self.run.baseline_live as u64]);
+        let rss = w.gather_control(&[crate::alloc::peak_rss_bytes().unwrap_or(0) as u64]);
+        let traffic = self.traffic.clone().unwrap_or_else(|| w.traffic());
+        if !w.is_root() {
+            return Ok(());
+        }
+        for t in &self.tables {
+            println!("{t}");
+        }
+        let mut t = self.tally.table();
+        t.separator();
+        let measured = |v: u64| [thousands(v), mb(v)];
+        let [b, bm] = measured(base[0]);
+        t.row(["measured: live heap as training began".to_string(), String::new(), b, bm, "rank 0".into()]);
+        let [p, pm] = measured(peak[0]);
+        t.row(["measured: peak live heap while training".to_string(), String::new(), p, pm, "rank 0; counting allocator".into()]);
+        println!("{}", t.render());
+        let per_rank: Vec<String> = peak.iter().map(|&p| mb(p)).collect();
+        println!("measured peak live heap per rank: {}", per_rank.join(" | "));
+        let rss_ranks: Vec<String> = rss.iter().map(|&p| format!("{:.1} MiB", p as f64 / (1 << 20) as f64)).collect();
+        println!("measured peak RSS per rank: {}\n", rss_ranks.join(" | "));
+
+        let steps = s.args.steps;
+        let mut tt = Table::new(["collective (per step, per rank)", "calls", "bytes sent", "theory", "seconds"]);
+        for kind in Collective::ALL {
+            let st = traffic.get(kind);
+            if st.calls == 0 || kind == Collective::Control {
+                continue;
+            }
+            let theory = self.expected.iter().find(|(k, _)| *k == kind).map_or("—".to_string(), |(_, b)| thousands(*b));
+            tt.row([
+                kind.name().to_string(),
+                format!("{:.1}", st.calls as f64 / steps as f64),
+                thousands(st.bytes_sent / steps),
+                theory,
+                format!("measured {:.4}", st.seconds / steps as f64),
+            ]);
+        }
+        println!("{}", tt.render());
+
+        let digest = final_params.map(|p| format!("{:016x}", fsdp_gpt::params::digest_f32(&p[..s.table.numel()])));
+        let final_loss = self.run.losses.last().copied().unwrap_or(f32::NAN);
+        println!("final loss {final_loss:.6} (ln vocab = {:.4})", (s.cfg.vocab_size as f64).ln());
+        println!("measured {} tok/s over all ranks (median step {:.1} ms)", thousands(self.run.tokens_per_second() as u64), self.run.median_step_seconds() * 1e3);
+        if let Some(d) = &digest {
+            println!("final weights digest {d}");
+        }
+
+        // Files.
+        let mut j = json!({
+            "lesson": s.lesson.package,
+            "world_size": w.size(),
+            "preset": s.args.preset,
+            "params": s.table.numel(),
+            "steps": steps,
+            "tokens_per_step": s.sampler.tokens_per_step(),
+            "losses": self.run.losses,
+            "final_loss": final_loss,
+            "tokens_per_second": self.run.tokens_per_second(),
+            "median_step_seconds": self.run.median_step_seconds(),
+            "weights_digest": digest,
+            "tally": self.tally.rows.iter().map(|r| json!({"category": r.category, "elements": r.elems, "bytes": r.bytes(), "note": r.note})).collect::<Vec<_>>(),
+            "tally_total_bytes": self.tally.total_bytes(),
+            "measured_baseline_bytes": base,
+            "measured_peak_bytes": peak,
+            "peak_rss_bytes": rss,
+            "traffic": Collective::ALL.iter().map(|k| {
+                let st = traffic.get(*k);
+                (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "seconds": st.seconds}))
+            }).collect::<serde_json::Map<_, _>>(),
+        });
+        if let Value::Object(o) = &mut j {
+            o.extend(self.json);
+        }
+        let write = |name: &str, data: &[u8]| {
+            let path = s.out.join(name);
+            fsdp_gpt::checkpoint::write_atomically(&path, data).with_context(|| format!("cannot write {}", path.display()))
+        };
+        write("report.json", serde_json::to_string_pretty(&j)?.as_bytes())?;
+        let loss = Chart {
+            title: format!("{} · {} rank(s)", s.lesson.package, w.size()),
+            x_label: "step".into(),
+            y_label: "loss".into(),
+            series: vec![Series { name: "train loss".into(), color: "#1f77b4", points: points(&self.run.losses), dashed: false }],
+            y_range: None,
+        };
+        write("loss.svg", crate::plot::svg(&[loss]).as_bytes())?;
+        for (file, charts) in &self.charts {
+            write(file, crate::plot::svg(charts).as_bytes())?;
+        }
+        if let Some(p) = final_params {
+            let path = s.out.join("weights.safetensors");
+            fsdp_gpt::checkpoint::save(&path, &s.cfg, &s.corpus.vocab_string(), &p[..s.table.numel()])?;
+        }
+        println!("wrote {}/{{report.json, loss.svg{}}}", s.out.display(), if final_params.is_some() { ", weights.safetensors" } else { "" });
+        Ok(())
+    }
+}
+
+/// `(step, value)` points for a per-step series, steps counted from 1.
+pub fn points(values: &[f32]) -> Vec<(f64, f64)> {
+    values.iter().enumerate().map(|(i, &v)| ((i + 1) as f64, v as f64)).collect()
+}

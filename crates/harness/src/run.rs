@@ -1,0 +1,94 @@
+//! Training-loop bookkeeping: the progress bar (or plain lines when stdout
+//! is not a terminal), the loss history and the step timings.
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::session::Session;
+use crate::table::thousands;
+
+/// One training run, as rank 0 reports it.
+pub struct Run {
+    steps: u64,
+    log_every: u64,
+    tokens_per_step: usize,
+    bar: Option<ProgressBar>,
+    started: Instant,
+    step_started: Instant,
+    /// Mean loss over the global batch, per step.
+    pub losses: Vec<f32>,
+    /// Wall seconds per step.
+    pub step_seconds: Vec<f64>,
+    /// Live heap when training started (data, runtime, the lesson's state).
+    pub baseline_live: usize,
+}
+
+impl Run {
+    /// Starts the clock and a fresh peak-heap measurement.
+    pub fn start(s: &Session) -> Self {
+        let bar = (s.world.is_root() && std::io::stdout().is_terminal()).then(|| {
+            let b = ProgressBar::new(s.args.steps);
+            b.set_style(
+                ProgressStyle::with_template("{bar:30.cyan/blue} step {pos}/{len} · {msg} · eta {eta}")
+                    .expect("valid template"),
+            );
+            b
+        });
+        crate::alloc::reset_peak();
+        Self {
+            steps: s.args.steps,
+            log_every: s.args.log_every,
+            tokens_per_step: s.sampler.tokens_per_step(),
+            bar,
+            started: Instant::now(),
+            step_started: Instant::now(),
+            losses: vec![],
+            step_seconds: vec![],
+            baseline_live: crate::alloc::live_bytes(),
+        }
+    }
+
+    /// Records step `step`'s mean loss; prints a line every `--log-every` steps.
+    pub fn step_done(&mut self, step: u64, loss: f32) {
+        let secs = self.step_started.elapsed().as_secs_f64();
+        self.step_started = Instant::now();
+        self.losses.push(loss);
+        self.step_seconds.push(secs);
+        let tps = self.tokens_per_step as f64 / secs;
+        let line = format!("step {step:>5}/{} | loss {loss:.6} | {} tok/s", self.steps, thousands(tps as u64));
+        if let Some(b) = &self.bar {
+            b.set_message(format!("loss {loss:.4} · {} tok/s", thousands(tps as u64)));
+            b.inc(1);
+        }
+        if step == 1 || step % self.log_every == 0 || step == self.steps {
+            match &self.bar {
+                Some(b) => b.println(line),
+                None => crate::print0!("{line}"),
+            }
+        }
+    }
+
+    pub fn finish(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+    }
+
+    /// Median seconds per step, leaving out the first (warm-up) step when there are others.
+    pub fn median_step_seconds(&self) -> f64 {
+        let mut v: Vec<f64> = self.step_seconds.iter().skip(usize::from(self.step_seconds.len() > 1)).copied().collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    }
+
+    /// Tokens per second over all ranks, from the median step.
+    pub fn tokens_per_second(&self) -> f64 {
+        let m = self.median_step_seconds();
+        if m > 0.0 { self.tokens_per_step as f64 / m } else { 0.0 }
+    }
+
+    pub fn total_seconds(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+}

@@ -1,0 +1,111 @@
+//! Setup shared by every lesson: validate the flags against the world,
+//! load the data, build the model shape, and print the config table.
+use std::ops::Range;
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use fsdp_comm::World;
+use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
+
+use crate::cli::TrainArgs;
+use crate::edge::{Lesson, agree};
+use crate::table::{Table, thousands};
+
+/// Everything a lesson's training loop needs besides its own state.
+pub struct Session<'w> {
+    pub world: &'w World,
+    pub lesson: Lesson,
+    pub args: TrainArgs,
+    pub corpus: Corpus,
+    pub cfg: GptConfig,
+    pub table: ParamTable,
+    pub model: Gpt,
+    pub sampler: Sampler,
+    pub adamw: AdamWConfig,
+    pub out: PathBuf,
+}
+
+impl<'w> Session<'w> {
+    /// Validates `args` for this world and builds the session. Every rank
+    /// agrees on the outcome, so a bad flag or file ends all ranks cleanly.
+    pub fn new(world: &'w World, lesson: &Lesson, args: TrainArgs) -> anyhow::Result<Self> {
+        let result = Self::build(world, lesson, args);
+        agree(world, result)
+    }
+
+    fn build(world: &'w World, lesson: &Lesson, args: TrainArgs) -> anyhow::Result<Self> {
+        let n = world.size();
+        let m = args.micro_batches as usize;
+        if n > m {
+            bail!("{n} ranks but only {m} micro-batches per step: pass --micro-batches {n} (or a multiple of {n}), or run fewer ranks");
+        }
+        if m % n != 0 {
+            bail!(
+                "--micro-batches {m} does not divide among {n} ranks: pass a multiple of {n}, e.g. --micro-batches {}",
+                m.div_ceil(n) * n
+            );
+        }
+        let corpus = match &args.data {
+            Some(p) => Corpus::from_file(&p.display().to_string())?,
+            None => Corpus::generated(),
+        };
+        let cfg = GptConfig::preset(&args.preset, corpus.vocab.len())?;
+        let seq_len = args.seq_len.map_or(cfg.block_size, |t| t as usize);
+        if seq_len > cfg.block_size {
+            bail!("--seq-len {seq_len} exceeds the {} preset's block size {}: pass --seq-len {} or less", args.preset, cfg.block_size, cfg.block_size);
+        }
+        let sampler = Sampler::new(&corpus, args.batch_size as usize, seq_len, m, args.seed)?;
+        let out = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(lesson.short()));
+        if world.is_root() {
+            std::fs::create_dir_all(&out).with_context(|| format!("cannot create --out folder {}", out.display()))?;
+        }
+        let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
+        let table = ParamTable::new(&cfg);
+        Ok(Self { world, lesson: *lesson, args, corpus, cfg, table, model: Gpt::new(cfg), sampler, adamw, out })
+    }
+
+    /// The micro-batches this rank trains on each step.
+    pub fn my_micro_batches(&self) -> Range<usize> {
+        self.sampler.share(self.world.rank(), self.world.size())
+    }
+
+    /// Forward and backward of micro-batch `k` of `step` through the model
+    /// whose parameters are `vars`; returns the loss and the gradients.
+    pub fn forward_backward(&self, vars: &[Var], step: u64, k: usize) -> anyhow::Result<(f32, GradStore)> {
+        let batch = self.sampler.micro_batch(step, k)?;
+        let params: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let logits = self.model.forward(&self.table, &params, &batch.inputs)?; // (B, T, V)
+        let loss = fsdp_gpt::model::loss(&logits, &batch.targets)?;
+        let grads = loss.backward()?;
+        Ok((loss.to_scalar::<f32>()?, grads))
+    }
+
+    /// The config table, printed once by rank 0, with derived quantities.
+    pub fn print_config(&self, extra: &[(&str, String)]) {
+        let c = &self.cfg;
+        let (n, m) = (self.world.size(), self.sampler.micro_batches);
+        let mut t = Table::new(["config", "value"]);
+        t.row(["lesson".to_string(), format!("{} — {}", self.lesson.package, self.lesson.title)]);
+        t.row(["world size".to_string(), format!("{n} rank{}", if n == 1 { "" } else { "s" })]);
+        t.row([
+            "preset".to_string(),
+            format!("{} ({} layers, {} heads, n_embd {}, block {})", self.args.preset, c.n_layer, c.n_head, c.n_embd, c.block_size),
+        ]);
+        t.row(["parameters".to_string(), thousands(self.table.numel() as u64)]);
+        t.row(["data".to_string(), format!("{} ({} chars, vocab {})", self.corpus.source, thousands(self.corpus.tokens.len() as u64), c.vocab_size)]);
+        t.row(["micro-batch".to_string(), format!("{} × {} tokens", self.sampler.batch_size, self.sampler.seq_len)]);
+        t.row(["micro-batches per step".to_string(), format!("{m} ({} per rank)", m / n)]);
+        t.row(["tokens per step".to_string(), thousands(self.sampler.tokens_per_step() as u64)]);
+        t.row(["steps".to_string(), thousands(self.args.steps)]);
+        let a = &self.adamw;
+        t.row(["AdamW".to_string(), format!("lr {}, betas ({}, {}), eps {:e}, weight decay {}", a.lr, a.beta1, a.beta2, a.eps, a.weight_decay)]);
+        t.row(["seed".to_string(), self.args.seed.to_string()]);
+        t.row(["compute threads per rank".to_string(), std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "1".into())]);
+        for (k, v) in extra {
+            t.row([k.to_string(), v.clone()]);
+        }
+        crate::print0!("{}", t.render());
+    }
+}

@@ -1,0 +1,67 @@
+# fsdp-from-scratch — every command a learner or CI needs.
+#   just step 02          lesson 02 on 2 ranks      just step 02 4 --steps 100
+#   just test             every test                just book / just diff 02
+
+# Open MPI refuses root without these; one compute thread per rank keeps runs
+# deterministic and the ranks off each other's cores.
+export OMPI_ALLOW_RUN_AS_ROOT := "1"
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := "1"
+export RAYON_NUM_THREADS := "1"
+
+# List the recipes.
+default:
+    @just --list
+
+# Install what a fresh Debian machine lacks: Open MPI, libclang (for the MPI bindings), pkg-config.
+setup:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    need=()
+    command -v mpirun >/dev/null || need+=(openmpi-bin libopenmpi-dev)
+    command -v pkg-config >/dev/null || need+=(pkg-config)
+    ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+    if [ ${#need[@]} -gt 0 ]; then
+        sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+        echo "installing: ${need[*]}"
+        $sudo apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+
+# Build every lesson (release: candle in debug is 45-140x slower).
+build: setup
+    cargo build --release --workspace --bins
+
+# Run lesson NN on RANKS MPI ranks (default 2), e.g. `just step 02 4 --steps 100`.
+step NN RANKS="2" *ARGS: build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    dir=$(ls -d crates/{{NN}}-* 2>/dev/null | head -n1) || true
+    if [ -z "$dir" ]; then echo "error: no lesson {{NN}}: pick one of $(ls -d crates/[0-9]* | sed 's|crates/||' | cut -d- -f1 | tr '\n' ' ')" >&2; exit 2; fi
+    ranks="{{RANKS}}"; args=({{ARGS}})
+    # `just step 04 --stage 1`: the second word is a flag, not a rank count.
+    if ! [[ "$ranks" =~ ^[0-9]+$ ]]; then args=("$ranks" "${args[@]}"); ranks=2; fi
+    over=""; [ "$ranks" -gt "$(nproc)" ] && over="--oversubscribe"
+    exec mpirun -q $over -n "$ranks" "target/release/step${dir#crates/}" "${args[@]}"
+
+# Run every test: unit tests, then the lessons as real MPI jobs at several world sizes.
+test: build
+    cargo test --release --workspace --features step02-whole-model-shard/solutions
+
+# Show what lesson NN adds over the lesson before it.
+diff NN:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cur=$(ls -d crates/{{NN}}-*); prev=$(ls -d crates/$(printf '%02d' $((10#{{NN}} - 1)))-*)
+    git diff --no-index --stat -- "$prev/src" "$cur/src" || true
+    git diff --no-index -- "$prev/src" "$cur/src" || true
+
+# Build the book into book/build (and check its includes resolve).
+book:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    command -v mdbook >/dev/null || cargo install mdbook --locked
+    mdbook build book
+
+# Regenerate the book's output listings and figures from real runs.
+book-outputs: build
+    bash book/generate-outputs.sh

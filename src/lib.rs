@@ -1,0 +1,1 @@
+//! Root package: owns the workspace-wide tests in `tests/`. See `tests/README.md`.
