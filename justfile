@@ -41,6 +41,8 @@ step NN RANKS="2" *ARGS: build
     # `just step 04 --stage 1`: the second word is a flag, not a rank count.
     if ! [[ "$ranks" =~ ^[0-9]+$ ]]; then args=("$ranks" "${args[@]}"); ranks=2; fi
     over=""; [ "$ranks" -gt "$(nproc)" ] && over="--oversubscribe"
+    # A progress bar when a person watches; plain lines into files and pipes.
+    if [ -t 1 ]; then export FSDP_PROGRESS=bar; else export FSDP_PROGRESS=plain; fi
     exec mpirun -q $over -n "$ranks" "target/release/step${dir#crates/}" "${args[@]}"
 
 # Run every test: unit tests, then the lessons as real MPI jobs at several world sizes.

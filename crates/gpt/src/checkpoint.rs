@@ -14,6 +14,9 @@ use crate::config::GptConfig;
 use crate::error::{GptError, Result};
 use crate::params::ParamTable;
 
+const META_KEY: &str = "fsdp_gpt";
+const FORMAT: &str = "fsdp-from-scratch/gpt/v1";
+
 /// A model read back from disk: its shape, vocabulary and flat parameters.
 #[derive(Debug, Clone)]
 pub struct Weights {
@@ -38,16 +41,18 @@ pub fn save(path: &Path, cfg: &GptConfig, vocab: &str, flat: &[f32]) -> Result<(
         .zip(&bytes)
         .map(|(s, b)| (s.name.clone(), TensorView::new(Dtype::F32, s.shape.clone(), b).expect("shape matches bytes")))
         .collect();
-    let meta: HashMap<String, String> = [
-        ("format".to_string(), "fsdp-from-scratch/gpt/v1".to_string()),
-        ("vocab_size".into(), cfg.vocab_size.to_string()),
-        ("block_size".into(), cfg.block_size.to_string()),
-        ("n_layer".into(), cfg.n_layer.to_string()),
-        ("n_head".into(), cfg.n_head.to_string()),
-        ("n_embd".into(), cfg.n_embd.to_string()),
-        ("vocab".into(), vocab.to_string()),
-    ]
-    .into();
+    // One metadata key: safetensors writes a HashMap in random order, and
+    // equal weights must give byte-identical files.
+    let config = serde_json::json!({
+        "format": FORMAT,
+        "vocab_size": cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_embd": cfg.n_embd,
+        "vocab": vocab,
+    });
+    let meta: HashMap<String, String> = [(META_KEY.to_string(), config.to_string())].into();
     let data = safetensors::serialize(views, Some(meta))
         .map_err(|e| GptError::Weights { path: path.display().to_string(), reason: e.to_string() })?;
     write_atomically(path, &data)
@@ -76,11 +81,14 @@ pub fn load(path: &Path) -> Result<Weights> {
     let err = |reason: String| GptError::Weights { path: path.display().to_string(), reason };
     let data = std::fs::read(path).map_err(|e| err(format!("cannot read it ({e})")))?;
     let (_, header) = SafeTensors::read_metadata(&data).map_err(|e| err(format!("not a safetensors file ({e})")))?;
-    let meta = header.metadata().clone().unwrap_or_default();
+    let meta: serde_json::Value = header
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(META_KEY))
+        .and_then(|v| serde_json::from_str(v).ok())
+        .ok_or_else(|| err(format!("no `{META_KEY}` metadata: it was not written by this project")))?;
     let num = |k: &str| -> Result<usize> {
-        meta.get(k)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| err(format!("metadata has no `{k}`; was it written by this project?")))
+        meta[k].as_u64().map(|v| v as usize).ok_or_else(|| err(format!("metadata has no `{k}`")))
     };
     let cfg = GptConfig {
         vocab_size: num("vocab_size")?,
@@ -89,7 +97,7 @@ pub fn load(path: &Path) -> Result<Weights> {
         n_head: num("n_head")?,
         n_embd: num("n_embd")?,
     };
-    let vocab = meta.get("vocab").cloned().ok_or_else(|| err("metadata has no `vocab`".into()))?;
+    let vocab = meta["vocab"].as_str().map(str::to_string).ok_or_else(|| err("metadata has no `vocab`".into()))?;
     if vocab.chars().count() != cfg.vocab_size {
         return Err(err(format!("vocab has {} characters but vocab_size is {}", vocab.chars().count(), cfg.vocab_size)));
     }

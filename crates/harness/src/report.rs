@@ -123,44 +123,40 @@ impl<'a, 'w> Report<'a, 'w> {
         for t in &self.tables {
             println!("{t}");
         }
-        let mut t = self.tally.table();
-        t.separator();
-        let measured = |v: u64| [thousands(v), mb(v)];
-        let [b, bm] = measured(base[0]);
-        t.row(["measured: live heap as training began".to_string(), String::new(), b, bm, "rank 0".into()]);
-        let [p, pm] = measured(peak[0]);
-        t.row(["measured: peak live heap while training".to_string(), String::new(), p, pm, "rank 0; counting allocator".into()]);
-        println!("{}", t.render());
-        let per_rank: Vec<String> = peak.iter().map(|&p| mb(p)).collect();
-        println!("measured peak live heap per rank: {}", per_rank.join(" | "));
-        let rss_ranks: Vec<String> = rss.iter().map(|&p| format!("{:.1} MiB", p as f64 / (1 << 20) as f64)).collect();
-        println!("measured peak RSS per rank: {}\n", rss_ranks.join(" | "));
+        println!("{}", self.tally.table().render());
+        // Measured numbers vary a little from run to run: they get their own
+        // table, so the tally from shapes above stays exactly reproducible.
+        let mut m = Table::new(std::iter::once("measured, per rank".to_string()).chain((0..w.size()).map(|r| format!("rank {r}"))));
+        let row = |label: &str, v: &[u64]| std::iter::once(label.to_string()).chain(v.iter().map(|&b| mb(b))).collect::<Vec<_>>();
+        m.row(row("live heap as training began", &base));
+        m.row(row("peak live heap while training", &peak));
+        m.row(row("peak RSS (incl. MPI, code)", &rss));
+        println!("{}", m.render());
 
         let steps = s.args.steps;
-        let mut tt = Table::new(["collective (per step, per rank)", "calls", "bytes sent", "theory", "seconds"]);
+        let mut tt = Table::new(["collective (per step, per rank)", "calls", "bytes sent", "theory"]);
+        let mut secs = vec![];
         for kind in Collective::ALL {
             let st = traffic.get(kind);
             if st.calls == 0 || kind == Collective::Control {
                 continue;
             }
             let theory = self.expected.iter().find(|(k, _)| *k == kind).map_or("—".to_string(), |(_, b)| thousands(*b));
-            tt.row([
-                kind.name().to_string(),
-                format!("{:.1}", st.calls as f64 / steps as f64),
-                thousands(st.bytes_sent / steps),
-                theory,
-                format!("measured {:.4}", st.seconds / steps as f64),
-            ]);
+            tt.row([kind.name().to_string(), format!("{:.1}", st.calls as f64 / steps as f64), thousands(st.bytes_sent / steps), theory]);
+            secs.push(format!("{} {:.2} ms", kind.name(), st.seconds / steps as f64 * 1e3));
         }
-        println!("{}", tt.render());
+        if !secs.is_empty() {
+            println!("{}", tt.render());
+            println!("measured time in collectives per step: {}\n", secs.join(", "));
+        }
 
         let digest = final_params.map(|p| format!("{:016x}", fsdp_gpt::params::digest_f32(&p[..s.table.numel()])));
         let final_loss = self.run.losses.last().copied().unwrap_or(f32::NAN);
         println!("final loss {final_loss:.6} (ln vocab = {:.4})", (s.cfg.vocab_size as f64).ln());
-        println!("measured {} tok/s over all ranks (median step {:.1} ms)", thousands(self.run.tokens_per_second() as u64), self.run.median_step_seconds() * 1e3);
         if let Some(d) = &digest {
             println!("final weights digest {d}");
         }
+        println!("\nmeasured {} tok/s over all ranks (median step {:.1} ms)", thousands(self.run.tokens_per_second() as u64), self.run.median_step_seconds() * 1e3);
 
         // Files.
         let mut j = json!({

@@ -3,7 +3,7 @@
 use std::io::IsTerminal;
 use std::time::Instant;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::session::Session;
 use crate::table::thousands;
@@ -27,8 +27,8 @@ pub struct Run {
 impl Run {
     /// Starts the clock and a fresh peak-heap measurement.
     pub fn start(s: &Session) -> Self {
-        let bar = (s.world.is_root() && std::io::stdout().is_terminal()).then(|| {
-            let b = ProgressBar::new(s.args.steps);
+        let bar = (s.world.is_root() && wants_bar()).then(|| {
+            let b = ProgressBar::with_draw_target(Some(s.args.steps), ProgressDrawTarget::stdout());
             b.set_style(
                 ProgressStyle::with_template("{bar:30.cyan/blue} step {pos}/{len} · {msg} · eta {eta}")
                     .expect("valid template"),
@@ -90,5 +90,17 @@ impl Run {
 
     pub fn total_seconds(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
+    }
+}
+
+/// A live bar only where a person watches: `FSDP_PROGRESS=bar|plain` decides;
+/// otherwise a terminal outside mpirun. Under mpirun every rank's stdout is a
+/// pseudo-terminal even when mpirun's own output goes to a file, so the
+/// justfile sets `FSDP_PROGRESS=bar` only when *its* stdout is a terminal.
+fn wants_bar() -> bool {
+    match std::env::var("FSDP_PROGRESS").as_deref() {
+        Ok("bar") => true,
+        Ok("plain") => false,
+        _ => std::io::stdout().is_terminal() && std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none(),
     }
 }

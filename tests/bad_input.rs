@@ -1,0 +1,85 @@
+//! Bad input: one clear line on rank 0 naming what to fix, exit code 2, no
+//! hung rank, no panic, no backtrace. Each case runs on several ranks.
+mod common;
+use common::*;
+
+/// Runs a case and checks the shape of the failure; returns the error line.
+fn fails(package: &str, ranks: usize, args: &[&str], name: &str) -> String {
+    let (o, _) = mpirun(package, ranks, args, name);
+    let (code, lines) = failure(&o);
+    assert_eq!(code, 2, "{name}: exit code; stderr {lines:?}");
+    assert_eq!(lines.len(), 1, "{name}: exactly one line on stderr, got {lines:?}");
+    assert!(lines[0].starts_with("error: "), "{name}: {lines:?}");
+    assert!(!lines[0].contains("panicked") && !lines[0].contains("backtrace"), "{name}: {lines:?}");
+    lines[0].clone()
+}
+
+#[test]
+fn more_ranks_than_micro_batches() {
+    let e = fails("step01-data-parallel", 3, &["--micro-batches", "2"], "bad-ranks");
+    assert_eq!(e, "error: 3 ranks but only 2 micro-batches per step: pass --micro-batches 3 (or a multiple of 3), or run fewer ranks");
+}
+
+#[test]
+fn micro_batches_that_do_not_divide() {
+    let e = fails("step02-whole-model-shard", 3, &["--micro-batches", "4"], "bad-divide");
+    assert_eq!(e, "error: --micro-batches 4 does not divide among 3 ranks: pass a multiple of 3, e.g. --micro-batches 6");
+}
+
+#[test]
+fn zero_steps() {
+    let e = fails("step01-data-parallel", 2, &["--steps", "0"], "bad-steps");
+    assert!(e.contains("'0' for '--steps <STEPS>'"), "{e}");
+}
+
+#[test]
+fn negative_learning_rate() {
+    let e = fails("step02-whole-model-shard", 2, &["--lr=-1"], "bad-lr");
+    assert!(e.contains("`-1` is not a positive number"), "{e}");
+}
+
+#[test]
+fn unknown_preset() {
+    let e = fails("step01-data-parallel", 2, &["--preset", "huge"], "bad-preset");
+    assert_eq!(e, "error: unknown preset `huge`: choose one of tiny, small, gpt2");
+}
+
+#[test]
+fn missing_data_file() {
+    let e = fails("step01-data-parallel", 2, &["--data", "/nonexistent/input.txt"], "bad-missing");
+    assert!(e.starts_with("error: data file /nonexistent/input.txt: cannot read it"), "{e}");
+}
+
+#[test]
+fn empty_too_short_and_non_utf8_data() {
+    let dir = out_dir("bad-data-files");
+    let cases: [(&str, &[u8], &str); 3] = [
+        ("empty.txt", b"", "is empty"),
+        ("short.txt", b"to be", "has 5 characters, fewer than the 66 one sequence needs"),
+        ("latin1.txt", b"caf\xe9 au lait", "not UTF-8 (invalid byte at offset 3)"),
+    ];
+    for (file, bytes, want) in cases {
+        let p = dir.join(file);
+        std::fs::write(&p, bytes).unwrap();
+        let e = fails("step02-whole-model-shard", 2, &["--data", p.to_str().unwrap()], &format!("bad-{file}"));
+        assert!(e.contains(want), "{file}: {e}");
+    }
+}
+
+#[test]
+fn seq_len_beyond_block_size() {
+    let e = fails("step01-data-parallel", 2, &["--seq-len", "65"], "bad-seq");
+    assert_eq!(e, "error: --seq-len 65 exceeds the tiny preset's block size 64: pass --seq-len 64 or less");
+}
+
+#[test]
+fn accumulate_under_mpirun() {
+    let e = fails("step01-data-parallel", 2, &["--accumulate", "2"], "bad-acc");
+    assert!(e.contains("--accumulate simulates ranks in one process"), "{e}");
+}
+
+#[test]
+fn unknown_flag() {
+    let e = fails("step02-whole-model-shard", 2, &["--stepz", "3"], "bad-flag");
+    assert!(e.contains("unexpected argument '--stepz'"), "{e}");
+}

@@ -1,0 +1,105 @@
+//! Helpers shared by the end-to-end tests: run a lesson binary as a real MPI
+//! job, read its report, mask what varies from run to run.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The small, fast configuration every end-to-end test trains with: the tiny
+/// preset (809,856 params), 24 micro-batches of 2 × 16 tokens per step, so
+/// that 1, 2, 3, 4 and 8 ranks all divide the global batch.
+pub const FAST: &[&str] = &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--micro-batches", "24", "--log-every", "1"];
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The release binary of a lesson package (built by `just test` before the tests run).
+pub fn binary(package: &str) -> PathBuf {
+    let dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
+    let p = dir.join("release").join(package);
+    assert!(p.exists(), "{} is missing: run `cargo build --release --workspace --bins` first (`just test` does)", p.display());
+    p
+}
+
+/// A fresh folder for one run's outputs.
+pub fn out_dir(name: &str) -> PathBuf {
+    let d = root().join("target").join("test-out").join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Runs `package` on `ranks` MPI ranks with `args`; `--out` is set to a fresh folder.
+pub fn mpirun(package: &str, ranks: usize, args: &[&str], name: &str) -> (Output, PathBuf) {
+    let out = out_dir(name);
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-q", "--oversubscribe", "-n", &ranks.to_string()])
+        .arg(binary(package))
+        .args(args)
+        .arg("--out")
+        .arg(&out)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("RAYON_NUM_THREADS", "1");
+    let o = cmd.output().expect("mpirun runs (install Open MPI: `just setup`)");
+    (o, out)
+}
+
+/// Runs a binary directly, without mpirun (a world of one).
+pub fn run_direct(package: &str, args: &[&str], name: &str) -> (Output, PathBuf) {
+    let out = out_dir(name);
+    let o = Command::new(binary(package))
+        .args(args)
+        .arg("--out")
+        .arg(&out)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .expect("binary runs");
+    (o, out)
+}
+
+/// Stdout of a run that must have succeeded.
+pub fn ok_stdout(o: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "run failed ({:?})\nstdout:\n{stdout}\nstderr:\n{}", o.status, String::from_utf8_lossy(&o.stderr));
+    stdout
+}
+
+/// The report's deterministic part: drops every block (paragraph) that holds
+/// a measured quantity and masks throughput on the step lines. What is left —
+/// config, losses, tallies from shapes, bytes on the wire, digest — is pinned.
+pub fn deterministic(stdout: &str) -> String {
+    stdout
+        .split("\n\n")
+        .filter(|block| !block.contains("measured"))
+        .map(|block| {
+            block
+                .lines()
+                .map(|l| match l.find(" | ").zip(l.rfind(" tok/s")) {
+                    Some(_) if l.starts_with("step ") => format!("{} | [tok/s]", &l[..l.rfind(" | ").unwrap()]),
+                    _ => l.to_string(),
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+pub fn report(out: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(out.join("report.json")).expect("report.json written");
+    serde_json::from_str(&text).expect("report.json parses")
+}
+
+/// The exact digest of the final weights' f32 bits, from the report.
+pub fn digest(out: &Path) -> String {
+    report(out)["weights_digest"].as_str().expect("digest present").to_string()
+}
+
+/// A failing run: exit code, and stderr's lines.
+pub fn failure(o: &Output) -> (i32, Vec<String>) {
+    let code = o.status.code().unwrap_or(-1);
+    let err = String::from_utf8_lossy(&o.stderr).lines().map(str::to_string).filter(|l| !l.trim().is_empty()).collect();
+    (code, err)
+}

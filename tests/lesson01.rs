@@ -1,0 +1,64 @@
+//! Lesson 01, data parallelism: the oracle every other lesson is measured against.
+mod common;
+use common::*;
+
+const PKG: &str = "step01-data-parallel";
+
+/// The report at N = 1..4 ranks: config, losses, memory tally from shapes,
+/// bytes on the wire and the digest of the final weights, pinned exactly.
+#[test]
+fn report_is_pinned_at_1_to_4_ranks() {
+    for n in 1..=4 {
+        let (o, _) = mpirun(PKG, n, FAST, &format!("l01-report-{n}"));
+        insta::assert_snapshot!(format!("report_{n}_ranks"), deterministic(&ok_stdout(&o)));
+    }
+}
+
+/// N-rank data parallelism and one process accumulating the same micro-batches
+/// in the same groups produce the same weights, bit for bit.
+#[test]
+fn data_parallel_equals_accumulation_bitwise() {
+    for n in [1usize, 2, 3, 4] {
+        let (o, dp) = mpirun(PKG, n, FAST, &format!("l01-dp-{n}"));
+        ok_stdout(&o);
+        let mut args = FAST.to_vec();
+        let ns = n.to_string();
+        args.extend(["--accumulate", &ns]);
+        let (o, acc) = run_direct(PKG, &args, &format!("l01-acc-{n}"));
+        ok_stdout(&o);
+        assert_eq!(digest(&dp), digest(&acc), "N = {n}");
+        // And the weights files are byte-identical, not only their digests.
+        assert!(std::fs::read(dp.join("weights.safetensors")).unwrap() == std::fs::read(acc.join("weights.safetensors")).unwrap(), "N = {n}: weights files differ");
+    }
+}
+
+/// The ordered all-reduce moves exactly 2(N−1)/N of the gradient's bytes per rank.
+#[test]
+fn all_reduce_moves_the_theoretical_bytes() {
+    let (o, out) = mpirun(PKG, 4, FAST, "l01-bytes");
+    ok_stdout(&o);
+    let r = report(&out);
+    let sent = r["traffic"]["all_reduce"]["bytes_sent"].as_u64().unwrap();
+    assert_eq!(sent, 3 * 2 * 3 * 202_464 * 4, "3 steps × 2·(N−1) shards of 202,464 floats");
+    assert_eq!(r["traffic"]["all_reduce"]["calls"].as_u64(), Some(3));
+}
+
+/// The loss falls well below ln(65) ≈ 4.17 on the generated corpus.
+#[test]
+fn loss_falls() {
+    let (o, out) = mpirun(PKG, 2, &["--steps", "30", "--micro-batches", "2"], "l01-learns");
+    ok_stdout(&o);
+    let losses: Vec<f64> = report(&out)["losses"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert!(losses[0] > 4.0, "starts near ln(65): {}", losses[0]);
+    assert!(*losses.last().unwrap() < 3.0, "falls: {losses:?}");
+}
+
+/// MPI's native all-reduce runs too (its bits may differ from the ordered one's).
+#[test]
+fn native_all_reduce_trains() {
+    let mut args = FAST.to_vec();
+    args.extend(["--reduce", "native"]);
+    let (o, out) = mpirun(PKG, 2, &args, "l01-native");
+    assert!(ok_stdout(&o).lines().any(|l| l.contains("all-reduce") && l.contains("native")));
+    assert!(report(&out)["final_loss"].as_f64().unwrap() < 4.2);
+}
