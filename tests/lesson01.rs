@@ -62,3 +62,25 @@ fn native_all_reduce_trains() {
     assert!(ok_stdout(&o).lines().any(|l| l.contains("all-reduce") && l.contains("native")));
     assert!(report(&out)["final_loss"].as_f64().unwrap() < 4.2);
 }
+
+/// `fsdp-eval` reads the weights a run wrote and reports a loss near the
+/// run's last training loss; a file that is not safetensors is one clear error.
+#[test]
+fn eval_reads_the_weights_a_run_wrote() {
+    let (o, out) = mpirun(PKG, 2, &["--steps", "20", "--micro-batches", "2"], "l01-eval");
+    ok_stdout(&o);
+    let final_loss = report(&out)["final_loss"].as_f64().unwrap();
+    let weights = out.join("weights.safetensors");
+    let o = std::process::Command::new(binary("fsdp-eval")).arg("--weights").arg(&weights).output().unwrap();
+    let stdout = ok_stdout(&o);
+    let loss: f64 = stdout.split("mean loss ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!((loss - final_loss).abs() < 0.25, "eval {loss} vs last training loss {final_loss}");
+
+    let bad = out.join("not-weights.safetensors");
+    std::fs::write(&bad, b"this is not a weights file").unwrap();
+    let o = std::process::Command::new(binary("fsdp-eval")).arg("--weights").arg(&bad).output().unwrap();
+    let (code, lines) = failure(&o);
+    assert_eq!(code, 2);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].starts_with("error: weights file ") && lines[0].contains("not a safetensors file"), "{lines:?}");
+}

@@ -7,7 +7,9 @@
 //! ```
 mod whole_model_shard;
 #[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
-pub mod exercises;
+mod exercises;
+#[cfg(test)]
+mod exercise_checks;
 
 use std::process::ExitCode;
 

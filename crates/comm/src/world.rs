@@ -94,6 +94,7 @@ impl World {
         self.timed(Collective::ReduceScatter, bytes, bytes, || self.reduce_scatter_untimed(full, mine));
     }
 
+    // ANCHOR: ordered_reduce_scatter
     fn reduce_scatter_untimed(&self, full: &[f32], mine: &mut [f32]) {
         if self.size == 1 {
             mine.copy_from_slice(full);
@@ -104,6 +105,7 @@ impl World {
         self.comm.all_to_all_into(full, &mut scratch[..]);
         sum_in_rank_order(scratch.chunks_exact(mine.len()), mine);
     }
+    // ANCHOR_END: ordered_reduce_scatter
 
     /// **all-reduce**, ordered: `buf` becomes the element-wise sum over ranks,
     /// bit for bit equal to `reduce_scatter` followed by `all_gather`, because

@@ -37,6 +37,11 @@ impl Corpus {
         Self::from_text("generated", &generate_play(256 * 1024)).expect("generated text is valid")
     }
 
+    /// The generated corpus's vocabulary, as characters.
+    pub fn generated_vocab() -> Vec<char> {
+        GENERATED_VOCAB.chars().collect()
+    }
+
     /// Reads a UTF-8 text file; every distinct character becomes a token.
     pub fn from_file(path: &str) -> Result<Self> {
         let err = |reason: String| GptError::Data { path: path.to_string(), reason };
