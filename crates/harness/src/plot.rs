@@ -77,6 +77,8 @@ impl Chart {
             let (xv, yv) = (x0 + f * (x1 - x0), y0 + f * (y1 - y0));
             s.push_str(&format!("<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/>\n", LEFT + pw, sy(yv), sy(yv)));
             s.push_str(&format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n", LEFT - 6.0, sy(yv) + 4.0, tick(yv)));
+            // Whole steps on a long axis: "13", not "13.25".
+            let xv = if x1 - x0 >= 8.0 { xv.round() } else { xv };
             s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", sx(xv), TOP + ph + 16.0, tick(xv)));
         }
         s.push_str(&format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", LEFT + pw / 2.0, H - 10.0, esc(&self.x_label)));
@@ -136,3 +138,4 @@ mod tests {
         assert_eq!(s, svg(&[c.clone(), c]));
     }
 }
+
