@@ -79,7 +79,7 @@ fn main() -> ExitCode {
 
         let bytes = 4 * l.numel as u64;
         let nn = n as u64;
-        let mut report = Report::new(&s, &run, fsdp.tally(&s));
+        let mut report = Report::new(&s, &run, fsdp.tally());
         report
             .traffic(training_traffic)
             .table(t.render())

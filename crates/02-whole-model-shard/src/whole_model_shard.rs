@@ -121,7 +121,7 @@ impl WholeModelShard {
 
     // ANCHOR: tally
     /// Bytes this rank holds, by category, from shapes.
-    pub fn tally(&self, s: &Session) -> MemoryTally {
+    pub fn tally(&self) -> MemoryTally {
         let (l, numel) = (self.layout, self.layout.numel);
         let n = l.world;
         let mut t = MemoryTally::new();
@@ -139,7 +139,6 @@ impl WholeModelShard {
         if self.reference.is_some() {
             t.add("--check reference", 3 * numel, 4, "replicated params, m, v");
         }
-        let _ = s;
         t
     }
     // ANCHOR_END: tally
