@@ -5,7 +5,6 @@
 //! just step 02            # 2 ranks, --check and the figure on
 //! just step 02 4 --steps 100
 //! ```
-mod whole_model_shard;
 #[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
 mod exercises;
 #[cfg(test)]
@@ -18,8 +17,8 @@ use fsdp_comm::Collective;
 use fsdp_harness::plot::{Chart, Series};
 use fsdp_harness::report::points;
 use fsdp_harness::table::{Table, mb, sci, thousands};
-use fsdp_harness::{Lesson, Report, Run, Session, TrainArgs, print0};
-use whole_model_shard::WholeModelShard;
+use fsdp_harness::{Lesson, MemoryTimeline, Report, Run, Session, TrainArgs, print0};
+use step02_whole_model_shard::WholeModelShard;
 
 const LESSON: Lesson = Lesson { package: "step02-whole-model-shard", title: "whole-model shard: gather everything, update your shard" };
 
@@ -48,7 +47,7 @@ fn main() -> ExitCode {
         let mut run = Run::start(&s);
         let (mut ref_losses, mut divergence) = (vec![], vec![]);
         for step in 1..=s.args.steps {
-            let r = fsdp.step(&s, step)?;
+            let r = fsdp.step(&s, step, &mut MemoryTimeline::off())?;
             run.step_done(step, r.loss);
             if let (Some(l), Some(d)) = (r.reference_loss, r.divergence) {
                 ref_losses.push(l);

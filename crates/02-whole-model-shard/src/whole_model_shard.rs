@@ -14,7 +14,7 @@
 use fsdp_comm::{ShardLayout, World};
 use fsdp_gpt::AdamW;
 use fsdp_gpt::model::add_grads;
-use fsdp_harness::{MemoryTally, Session};
+use fsdp_harness::{MemoryTally, MemoryTimeline, Session};
 
 /// One rank's share of the training state.
 pub struct WholeModelShard {
@@ -72,13 +72,14 @@ impl WholeModelShard {
     }
 
     // ANCHOR: step
-    pub fn step(&mut self, s: &Session, step: u64) -> anyhow::Result<StepResult> {
+    pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<StepResult> {
         let (w, numel) = (s.world, self.layout.numel);
         let mine = self.layout.shard(w.rank()).range();
 
         // 1. all-gather: every rank's shard → the full weight vector
         w.all_gather(&self.master, &mut self.gathered);
         let vars = s.model.vars_from_flat(&s.table, &self.gathered[..numel])?;
+        tl.mark("all-gather the whole model");
 
         // 2. forward/backward on my micro-batches
         self.grads.fill(0.0);
@@ -87,16 +88,20 @@ impl WholeModelShard {
             let (loss, grads) = s.forward_backward(&vars, step, k)?;
             add_grads(&grads, &vars, &mut self.grads[..numel])?;
             loss_sum += loss as f64;
+            tl.mark(format!("forward+backward, micro-batch {k}"));
         }
         drop(vars); // the full copy is not needed again this step
+        tl.mark("drop the full copy");
 
         // 3. all-reduce: sum over ranks in rank order, then the mean
         w.all_reduce(&mut self.grads, &mut self.grad_shard);
         let inv = 1.0 / s.sampler.micro_batches as f32;
         self.grads.iter_mut().for_each(|g| *g *= inv);
+        tl.mark("all-reduce the gradient");
 
         // 4. update: AdamW on my shard only
         self.opt.step(&mut self.master, &self.grads[mine.clone()]);
+        tl.mark("AdamW on my shard");
         // ANCHOR_END: step
 
         let m = s.sampler.micro_batches as f64;

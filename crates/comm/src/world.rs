@@ -58,6 +58,15 @@ impl World {
         *self.traffic.borrow_mut() = Traffic::default();
     }
 
+    /// Runs `f` without counting its collectives in [`Traffic`]: for a check
+    /// that runs beside training but is not part of the algorithm.
+    pub fn untracked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let saved = self.traffic();
+        let r = f();
+        *self.traffic.borrow_mut() = saved;
+        r
+    }
+
     fn timed<R>(&self, kind: Collective, sent: usize, received: usize, f: impl FnOnce() -> R) -> R {
         let t0 = Instant::now();
         let r = f();
@@ -77,6 +86,29 @@ impl World {
                 self.comm.all_gather_into(mine, all);
             }
         });
+    }
+
+    /// **all-gather, overlapped**: starts the all-gather of `mine` into `all`
+    /// with MPI's non-blocking `MPI_Iallgather`, runs `work` while it is in
+    /// flight, then waits for it. `work` cannot touch `all` (the borrow checker
+    /// sees to it) and must not call collectives itself. The seconds recorded
+    /// are the *exposed* ones: the wait after `work`, not the whole flight.
+    pub fn all_gather_overlapped<T: Equivalence + Copy, R>(&self, mine: &[T], all: &mut [T], work: impl FnOnce() -> R) -> R {
+        assert_eq!(all.len(), mine.len() * self.size, "all_gather: output must hold N shards");
+        let bytes = (self.size - 1) * std::mem::size_of_val(mine);
+        if self.size == 1 {
+            self.timed(Collective::AllGather, 0, 0, || all.copy_from_slice(mine));
+            return work();
+        }
+        let (r, waited) = mpi::request::scope(|scope| {
+            let request = self.comm.immediate_all_gather_into(scope, mine, all);
+            let r = work();
+            let t0 = Instant::now();
+            request.wait();
+            (r, t0.elapsed().as_secs_f64())
+        });
+        self.traffic.borrow_mut().record(Collective::AllGather, bytes, bytes, waited);
+        r
     }
 
     /// **reduce-scatter**, ordered: `full` is this rank's contribution to the

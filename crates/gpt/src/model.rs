@@ -55,10 +55,33 @@ impl Gpt {
             .collect()
     }
 
+    /// `Var`s for the parameter entries listed in `params` (any set, e.g. a
+    /// unit that joins the embedding and the final norm), reading from `flat`,
+    /// which holds exactly those parameters back to back in that order.
+    pub fn vars_for(&self, table: &ParamTable, params: &[usize], flat: &[f32]) -> Result<Vec<Var>> {
+        let mut at = 0;
+        params
+            .iter()
+            .map(|&i| {
+                let s = &table.specs[i];
+                let v = Var::from_slice(&flat[at..at + s.numel()], s.shape.as_slice(), &Device::Cpu)?;
+                at += s.numel();
+                Ok(v)
+            })
+            .collect()
+    }
+
     /// Token + position embedding. `idx`: (B, T) u32 → (B, T, C).
     pub fn embed(&self, wte: &Tensor, wpe: &Tensor, idx: &Tensor) -> Result<Tensor> {
-        let (_b, t) = idx.dims2()?;
-        let tok = wte.embedding(&idx.flatten_all()?)?.reshape((idx.dims()[0], t, self.cfg.n_embd))?; // (B, T, C)
+        let tok = wte.embedding(&idx.flatten_all()?)?; // (B·T, C): one row of wte per token
+        self.add_positions(&tok, wpe, idx.dims2()?)
+    }
+
+    /// The embedding after its lookup: token rows (B·T, C) plus the
+    /// positions → (B, T, C). Apart from `embed` so that a backward can start
+    /// at the looked-up rows (lesson 03 forms the tied `wte` gradient itself).
+    pub fn add_positions(&self, tok: &Tensor, wpe: &Tensor, (b, t): (usize, usize)) -> Result<Tensor> {
+        let tok = tok.reshape((b, t, self.cfg.n_embd))?; // (B, T, C)
         let pos = wpe.narrow(0, 0, t)?; // (T, C)
         Ok(tok.broadcast_add(&pos)?)
     }

@@ -9,6 +9,8 @@ pub struct CountingAllocator;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
+/// The peak since the last [`take_window_peak`]: what a memory timeline samples.
+static WINDOW_PEAK: AtomicUsize = AtomicUsize::new(0);
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -45,6 +47,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
 fn grow(n: usize) {
     let live = LIVE.fetch_add(n, Relaxed) + n;
     PEAK.fetch_max(live, Relaxed);
+    WINDOW_PEAK.fetch_max(live, Relaxed);
 }
 
 /// Bytes allocated and not yet freed.
@@ -60,6 +63,14 @@ pub fn peak_bytes() -> usize {
 /// Starts a new peak measurement from the current live bytes.
 pub fn reset_peak() {
     PEAK.store(LIVE.load(Relaxed), Relaxed);
+}
+
+/// The highest `live_bytes` since the previous call (or the start), and a
+/// new window from now. Independent of [`peak_bytes`]: a timeline can sample
+/// events while the run's overall peak keeps counting.
+pub fn take_window_peak() -> usize {
+    let live = LIVE.load(Relaxed);
+    WINDOW_PEAK.swap(live, Relaxed).max(live)
 }
 
 /// The process's peak resident set size (VmHWM), in bytes, where Linux tells it.

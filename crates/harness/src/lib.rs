@@ -30,6 +30,7 @@
 //! | [`report`] | memory tally, traffic table, JSON, weights |
 //! | [`table`] | boxed text tables |
 //! | [`plot`] | small SVG line charts |
+//! | [`timeline`] | the heap sampled at the events of one step |
 //! | [`edge`] | `main`: errors reported once, on rank 0, every rank ends |
 
 pub mod alloc;
@@ -40,12 +41,14 @@ pub mod report;
 pub mod run;
 pub mod session;
 pub mod table;
+pub mod timeline;
 
 pub use cli::{TrainArgs, parse_args};
 pub use edge::{Lesson, main};
 pub use report::{MemoryTally, Report};
 pub use run::Run;
 pub use session::Session;
+pub use timeline::MemoryTimeline;
 
 /// Prints on rank 0 only (rank-0 output is the report; other ranks stay quiet).
 #[macro_export]

@@ -1,0 +1,17 @@
+//! # step02-whole-model-shard — the classic FSDP toy, as a library
+//!
+//! The binary (`just step 02`) trains with [`WholeModelShard`]; lesson 03
+//! uses it too, as the whole-model baseline its memory timeline is drawn
+//! against and as the reference of its `--check`.
+//!
+//! ```no_run
+//! # fn demo(s: &fsdp_harness::Session) -> anyhow::Result<()> {
+//! use step02_whole_model_shard::WholeModelShard;
+//! let mut fsdp = WholeModelShard::new(s, false);
+//! let r = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
+//! println!("loss {}", r.loss);
+//! # Ok(()) }
+//! ```
+pub mod whole_model_shard;
+
+pub use whole_model_shard::{StepResult, WholeModelShard};

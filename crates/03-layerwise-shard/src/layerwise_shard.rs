@@ -1,0 +1,255 @@
+//! # Lesson 03 — layer-wise shard: real FSDP
+//!
+//! Lesson 02 gathered the whole model and held it for the whole step. Here
+//! the model is cut into **units** (see [`crate::units`]): the root
+//! (embeddings, final norm, tied head) and the transformer blocks, each
+//! flattened and sharded on its own. A step walks a schedule of units:
+//!
+//! ```text
+//! forward    root·embed → h.0 → h.1 → … → h.L−1 → root·head (loss, and its backward)
+//! backward   h.L−1 → … → h.1 → h.0 → root·embed-backward (needs no weights)
+//! ```
+//!
+//! At every entry: **all-gather** the unit, compute, **free** it; so every
+//! unit is gathered twice per step. A forward
+//! entry keeps only the unit's *input* activations. A backward entry
+//! re-gathers the weights, **recomputes** the unit's forward from the saved
+//! input, backpropagates the upstream gradient through it and
+//! **reduce-scatters** the unit's gradient, so each rank keeps 1/N of it.
+//! Only one unit is ever unsharded (two with `--prefetch`).
+//!
+//! The tied `wte` gets its lm_head part at the head and its embedding part
+//! at the very end, combined the way candle's whole-graph backward combines
+//! them, so the weights stay lesson 01's, bit for bit.
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor, Var};
+use fsdp_comm::World;
+use fsdp_gpt::Batch;
+use fsdp_gpt::model::{add_grads, loss as cross_entropy, with_f32_values};
+use fsdp_gpt::params::PARAMS_PER_BLOCK;
+use fsdp_harness::{MemoryTimeline, Session};
+
+use crate::units::FsdpUnit;
+
+/// One entry of the schedule: what is done with which unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Root: token + position embedding of my micro-batches.
+    Embed,
+    /// Block unit `u` (1-based): forward, keeping only its input.
+    Forward(usize),
+    /// Root: final norm, lm_head, loss — and their backward, at once.
+    Head,
+    /// Block unit `u`: recompute from the saved input, backpropagate, reduce-scatter.
+    Backward(usize),
+    /// Root: the embedding's backward (no weights needed); completes the
+    /// tied `wte` gradient, then the root's gradient is reduce-scattered.
+    EmbedBackward,
+}
+
+impl Phase {
+    /// Which unit the phase gathers.
+    pub fn unit(self) -> usize {
+        match self {
+            Phase::Embed | Phase::Head | Phase::EmbedBackward => 0,
+            Phase::Forward(u) | Phase::Backward(u) => u,
+        }
+    }
+}
+
+impl Phase {
+    /// The embedding's backward is the one entry that needs no weights.
+    pub fn needs_weights(self) -> bool {
+        self != Phase::EmbedBackward
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::Embed => "embed",
+            Phase::Forward(_) => "forward",
+            Phase::Head => "head forward+backward",
+            Phase::Backward(_) => "recompute+backward",
+            Phase::EmbedBackward => "embedding backward",
+        }
+    }
+}
+
+/// The step's schedule for `block_units` block units.
+pub fn schedule(block_units: usize) -> Vec<Phase> {
+    let mut s = vec![Phase::Embed];
+    s.extend((1..=block_units).map(Phase::Forward));
+    s.push(Phase::Head);
+    s.extend((1..=block_units).rev().map(Phase::Backward));
+    s.push(Phase::EmbedBackward);
+    s
+}
+
+/// What travels between the schedule's entries, per micro-batch of mine.
+struct Carry {
+    batches: Vec<Batch>,
+    /// Saved unit inputs: `inputs[u − 1][k]` is block unit u's input (B, T, C);
+    /// the last entry is the head's. Popped as backward consumes them.
+    inputs: Vec<Vec<Tensor>>,
+    /// The upstream gradient dL/dx at the current unit boundary, (B, T, C).
+    upstream: Vec<Tensor>,
+    /// The lm_head's part of the tied `wte` gradient, held until the embedding's part arrives.
+    head_wte: Vec<Vec<f32>>,
+    /// The root unit's gradient sum, from the head to the end of backward.
+    root_grads: Vec<f32>,
+    loss_sum: f64,
+}
+
+/// One rank's share of the training state: every unit, sharded.
+pub struct LayerwiseShard {
+    pub units: Vec<FsdpUnit>,
+    /// Gather the next unit while computing this one (MPI's non-blocking all-gather).
+    pub prefetch: bool,
+}
+
+impl LayerwiseShard {
+    // ANCHOR: step
+    /// One training step; returns the mean loss over the global batch.
+    pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
+        let w = s.world;
+        let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
+        let root_len = self.units[0].layout.padded;
+        let mut c = Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], root_grads: vec![0.0; root_len], loss_sum: 0.0 };
+        let plan = schedule(self.units.len() - 1);
+        let mut prefetched: Option<Vec<f32>> = None;
+        for (at, &phase) in plan.iter().enumerate() {
+            let unit = &self.units[phase.unit()];
+            // 1. all-gather the unit (unless prefetched) into candle tensors
+            let params = match phase.needs_weights() {
+                false => vec![],
+                true => {
+                    let gathered = prefetched.take().unwrap_or_else(|| unit.gather(w));
+                    let params = s.model.vars_for(&s.table, &unit.params, &gathered)?;
+                    drop(gathered);
+                    tl.mark(format!("gather {}", unit.name));
+                    params
+                }
+            };
+
+            // 2. compute — with the next unit's all-gather in flight under --prefetch
+            let next = plan.get(at + 1).filter(|p| self.prefetch && p.needs_weights()).map(|p| &self.units[p.unit()]);
+            let (grad_sum, next_gathered) = overlap(w, next, || run_phase(s, phase, unit, &params, &mut c));
+            prefetched = next_gathered;
+            tl.mark(format!("{} {}", phase.label(), unit.name));
+
+            // 3. free the unit; after its backward, reduce-scatter its gradient
+            drop(params);
+            if let Some(sum) = grad_sum? {
+                self.units[phase.unit()].reduce_scatter(w, &sum);
+                tl.mark(format!("reduce-scatter {}, free it", self.units[phase.unit()].name));
+            }
+        }
+        // 4. update: AdamW on my shard of every unit, with the mean gradient
+        let inv = 1.0 / s.sampler.micro_batches as f32;
+        self.units.iter_mut().for_each(|u| u.update(inv));
+        tl.mark("AdamW on my shards");
+        Ok((w.sum_f64(&[c.loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
+    }
+    // ANCHOR_END: step
+
+    /// The full weights in the model's flat order, gathered unit by unit
+    /// (every rank calls; all get them).
+    pub fn gather_full(&self, s: &Session) -> Vec<f32> {
+        let mut full = vec![0.0; s.table.numel()];
+        for u in &self.units {
+            u.place(&s.table, &u.gather(s.world), &mut full);
+        }
+        full
+    }
+}
+
+/// Runs `work`; under `--prefetch` (`next` is given), with the next unit's
+/// all-gather in flight, returning its gathered weights too.
+fn overlap<R>(w: &World, next: Option<&FsdpUnit>, work: impl FnOnce() -> R) -> (R, Option<Vec<f32>>) {
+    match next {
+        None => (work(), None),
+        Some(unit) => {
+            let mut buf = vec![0.0; unit.layout.padded];
+            let r = w.all_gather_overlapped(&unit.master, &mut buf, work);
+            (r, Some(buf))
+        }
+    }
+}
+
+// ANCHOR: phases
+/// One schedule entry's compute, on the gathered `p` (the unit's parameters
+/// in its flat order). Returns the unit's gradient sum when it is complete.
+fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carry) -> anyhow::Result<Option<Vec<f32>>> {
+    let detached: Vec<Tensor> = p.iter().map(|v| v.as_detached_tensor()).collect(); // forward: no graph
+    let tracked: Vec<Tensor> = p.iter().map(|v| v.as_tensor().clone()).collect(); // backward: a graph to the Vars
+    let m = &s.model;
+    match phase {
+        Phase::Embed => {
+            let x = c.batches.iter().map(|b| m.embed(&detached[0], &detached[1], &b.inputs)).collect::<Result<_, _>>()?;
+            c.inputs.push(x); // (B, T, C) per micro-batch: block unit 1's input
+            Ok(None)
+        }
+        Phase::Forward(u) => {
+            let x = &c.inputs[u - 1];
+            let y = x.iter().map(|x| run_blocks(s, unit, &detached, x)).collect::<anyhow::Result<_>>()?;
+            c.inputs.push(y); // the next unit's input (the head's, after the last)
+            Ok(None)
+        }
+        Phase::Head => {
+            let (lnf, wte) = (&tracked[2..4], &tracked[0]);
+            for (x, b) in c.inputs.pop().context("head input")?.into_iter().zip(&c.batches) {
+                let x = Var::from_tensor(&x)?;
+                let logits = m.head(&lnf[0], &lnf[1], wte, x.as_tensor())?; // (B, T, V)
+                let loss = cross_entropy(&logits, &b.targets)?;
+                let grads = loss.backward()?;
+                c.loss_sum += loss.to_scalar::<f32>()? as f64;
+                add_grads(&grads, &p[2..4], &mut c.root_grads[unit.ranges[2].start..unit.ranges[3].end])?;
+                c.head_wte.push(with_f32_values(grads.get(&p[0]).context("wte grad")?, <[f32]>::to_vec)?);
+                c.upstream.push(grads.get(&x).context("head input grad")?.detach());
+            }
+            Ok(None)
+        }
+        Phase::Backward(_) => {
+            let mut sum = vec![0.0; unit.layout.padded];
+            let inputs = c.inputs.pop().context("unit input")?;
+            for (x, g) in inputs.iter().zip(c.upstream.iter_mut()) {
+                let x = Var::from_tensor(x)?;
+                let out = run_blocks(s, unit, &tracked, x.as_tensor())?; // recompute, with a graph
+                // The gradient of sum(out · g) is g pulled back through the unit.
+                let grads = (out * &*g)?.sum_all()?.backward()?;
+                add_grads(&grads, p, &mut sum)?;
+                *g = grads.get(&x).context("unit input grad")?.detach();
+            }
+            Ok(Some(sum))
+        }
+        Phase::EmbedBackward => {
+            // The embedding's backward needs only the token ids and the
+            // upstream gradient — no weights, so nothing was gathered.
+            let mut sum = std::mem::take(&mut c.root_grads);
+            let (wte, wpe) = (unit.ranges[0].clone(), unit.ranges[1].clone());
+            let wpe_var = Var::zeros(s.table.specs[unit.params[1]].shape.as_slice(), DType::F32, &Device::Cpu)?;
+            for ((b, g), head) in c.batches.iter().zip(&c.upstream).zip(&c.head_wte) {
+                let ids = b.inputs.flatten_all()?; // (B·T)
+                let rows = Var::zeros((ids.dim(0)?, s.cfg.n_embd), DType::F32, &Device::Cpu)?; // stand-in for the looked-up rows
+                let grads = (m.add_positions(&rows, &wpe_var, b.inputs.dims2()?)? * g)?.sum_all()?.backward()?;
+                // wte's whole gradient, formed as candle's one-graph backward
+                // forms it: the lm_head part, then each token's row gradient
+                // index-added onto it (in token order), then onto the running sum.
+                let head = Tensor::from_slice(head, s.table.specs[unit.params[0]].shape.as_slice(), &Device::Cpu)?;
+                let tied = head.index_add(&ids, grads.get(&rows).context("row grads")?, 0)?;
+                with_f32_values(&tied, |e| sum[wte.clone()].iter_mut().zip(e).for_each(|(a, e)| *a += e))?;
+                with_f32_values(grads.get(&wpe_var).context("wpe grad")?, |e| sum[wpe.clone()].iter_mut().zip(e).for_each(|(a, e)| *a += e))?;
+            }
+            Ok(Some(sum))
+        }
+    }
+}
+
+/// The unit's blocks, in order, on one micro-batch. (B, T, C) → (B, T, C).
+fn run_blocks(s: &Session, unit: &FsdpUnit, p: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
+    let mut x = x.clone();
+    for b in 0..unit.blocks {
+        x = s.model.block(&p[b * PARAMS_PER_BLOCK..(b + 1) * PARAMS_PER_BLOCK], &x)?;
+    }
+    Ok(x)
+}
+// ANCHOR_END: phases

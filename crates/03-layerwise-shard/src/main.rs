@@ -1,0 +1,169 @@
+//! `step03-layerwise-shard`: real FSDP — gather one unit just in time, free
+//! it, re-gather in backward, reduce-scatter its gradient.
+//!
+//! ```text
+//! just step 03                      # 2 ranks: tally, unsharded peak, memory timeline
+//! just step 03 4 --prefetch         # the next unit's all-gather overlaps compute
+//! just step 03 2 --blocks-per-unit 2 --check
+//! ```
+#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
+mod exercises;
+#[cfg(test)]
+mod exercise_checks;
+
+use std::process::ExitCode;
+
+use anyhow::bail;
+use clap::Parser;
+use fsdp_comm::Collective;
+use fsdp_harness::plot::Chart;
+use fsdp_harness::table::{Table, mb, sci};
+use fsdp_harness::{Lesson, MemoryTimeline, Report, Run, Session, TrainArgs, print0};
+use step02_whole_model_shard::WholeModelShard;
+use step03_layerwise_shard::LayerwiseShard;
+use step03_layerwise_shard::tally::{StepShape, bytes_per_step, tally, unsharded_peak_table};
+use step03_layerwise_shard::units::build_units;
+
+const LESSON: Lesson = Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time" };
+
+#[derive(Debug, Parser)]
+struct Args {
+    #[command(flatten)]
+    train: TrainArgs,
+    /// Start the next unit's all-gather (non-blocking) while computing this one.
+    #[arg(long)]
+    prefetch: bool,
+    /// Transformer blocks per FSDP unit (the wrapping policy): more blocks,
+    /// fewer and larger gathers, a higher unsharded peak.
+    #[arg(long, default_value_t = 1, value_name = "G")]
+    blocks_per_unit: usize,
+    /// Run lesson 02 (bitwise lesson 01) beside, and print the max
+    /// |layer-wise − whole-model| of the weights every step.
+    #[arg(long)]
+    check: bool,
+    /// Skip the memory timeline (by default <out>/memory_timeline.svg: one
+    /// step of lesson 02 against one step of lesson 03, same model, same batch).
+    #[arg(long)]
+    no_plot: bool,
+}
+
+fn main() -> ExitCode {
+    fsdp_harness::main(LESSON, |world, lesson| {
+        let args: Args = fsdp_harness::parse_args(lesson)?;
+        let s = Session::new(world, lesson, args.train)?;
+        let layers = s.cfg.n_layer;
+        let g = args.blocks_per_unit;
+        fsdp_harness::edge::agree(world, match g {
+            0 => bail!("--blocks-per-unit 0: a unit needs at least one block (pass 1 to {layers})"),
+            g if g > layers => bail!("--blocks-per-unit {g} exceeds the {} preset's {layers} blocks: pass 1 to {layers}", s.args.preset),
+            _ => Ok(()),
+        })?;
+        let init = s.table.init_flat(s.args.seed);
+        let units = build_units(&s.table, layers, g, &init, world.rank(), world.size(), s.adamw);
+        drop(init);
+        let unit_names: Vec<&str> = units.iter().map(|u| u.name.as_str()).collect();
+        s.print_config(&[
+            ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
+            ("prefetch", if args.prefetch { "on: next unit's all-gather overlaps compute".into() } else { "off".into() }),
+            ("check against lesson 02", if args.check { "every step".into() } else { "off (--check turns it on)".into() }),
+        ]);
+        fsdp_harness::edge::mark_setup_done();
+
+        let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch };
+        let mut reference = args.check.then(|| WholeModelShard::new(&s, false));
+        let mut timeline = MemoryTimeline::off();
+        let mut divergence = vec![];
+        let mut run = Run::start(&s);
+        for step in 1..=s.args.steps {
+            timeline.record(step == 1 && !args.no_plot);
+            let loss = fsdp.step(&s, step, &mut timeline)?;
+            timeline.record(false);
+            run.step_done(step, loss);
+            if let Some(r) = reference.as_mut() {
+                let d = world.untracked(|| -> anyhow::Result<f32> {
+                    r.step(&s, step, &mut MemoryTimeline::off())?;
+                    let mine = fsdp.gather_full(&s);
+                    Ok(mine.iter().zip(r.gather_full(world)).map(|(a, b)| (a - b).abs()).fold(0.0, nan_max))
+                })?;
+                divergence.push(d);
+                if step == 1 || step % s.args.log_every == 0 || step == s.args.steps {
+                    print0!("           max |layer-wise − whole-model| = {}", sci(d as f64));
+                }
+            }
+        }
+        run.finish();
+        drop(reference);
+        let training_traffic = world.traffic();
+        let full = fsdp.gather_full(&s);
+
+        let shape = StepShape {
+            micro_batches: s.my_micro_batches().len(),
+            batch_size: s.sampler.batch_size,
+            seq_len: s.sampler.seq_len,
+            n_embd: s.cfg.n_embd,
+            vocab_size: s.cfg.vocab_size,
+        };
+        let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout).collect();
+        let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts);
+        let mut units = Table::new(["unit", "elements", "padding", "shard / rank", "MB unsharded"]);
+        for u in &fsdp.units {
+            let l = u.layout;
+            units.row([u.name.clone(), fsdp_harness::table::thousands(l.numel as u64), l.padding().to_string(), fsdp_harness::table::thousands(l.shard_len as u64), mb(4 * l.numel as u64)]);
+        }
+        let max_div = divergence.iter().copied().fold(0.0, nan_max);
+        let mut report = Report::new(&s, &run, tally(&fsdp.units, shape, args.prefetch));
+        report
+            .traffic(training_traffic)
+            .table(units.render())
+            .table(unsharded_peak_table(&fsdp.units, args.prefetch).render())
+            .expect_traffic(Collective::AllGather, gather_bytes)
+            .expect_traffic(Collective::ReduceScatter, scatter_bytes)
+            .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
+            .json("divergence", serde_json::json!(divergence))
+            .json("units", serde_json::json!(fsdp.units.iter().map(|u| serde_json::json!({"name": u.name, "elements": u.layout.numel, "shard": u.layout.shard_len})).collect::<Vec<_>>()))
+            .json("memory_timeline", serde_json::json!(timeline.events));
+        if args.check {
+            report.table(format!("max |layer-wise − whole-model| = {} over {} steps\n", sci(max_div as f64), divergence.len()));
+        }
+        report.finish(Some(&full))?;
+        drop(fsdp);
+
+        // The memory timeline: one step of lesson 02 on the same model and batch.
+        if !args.no_plot {
+            let mut whole = WholeModelShard::new(&s, false);
+            let mut whole_timeline = MemoryTimeline::off();
+            whole_timeline.record(true);
+            whole.step(&s, 1, &mut whole_timeline)?;
+            whole_timeline.record(false);
+            drop(whole);
+            timeline_figure(&s, &whole_timeline, &timeline)?;
+        }
+        Ok(())
+    })
+}
+
+/// Writes memory_timeline.svg: lesson 02's plateau beside lesson 03's sawtooth, on one scale.
+fn timeline_figure(s: &Session, whole: &MemoryTimeline, layerwise: &MemoryTimeline) -> anyhow::Result<()> {
+    if !s.world.is_root() {
+        return Ok(());
+    }
+    let peaks = [whole.peak_bytes(), layerwise.peak_bytes()];
+    let top = peaks[0].max(peaks[1]) as f64 / 1e6 * 1.08;
+    let n = s.world.size();
+    let charts: Vec<Chart> = vec![
+        whole.chart(&format!("lesson 02, whole model · rank 0 of {n}"), Some((0.0, top))),
+        layerwise.chart(&format!("lesson 03, one unit at a time · rank 0 of {n}"), Some((0.0, top))),
+    ];
+    let path = s.out.join("memory_timeline.svg");
+    fsdp_gpt::checkpoint::write_atomically(&path, fsdp_harness::plot::svg(&charts).as_bytes())?;
+    let mut t = Table::new(["one step, rank 0", "measured peak heap", "events"]);
+    t.row(["lesson 02 (whole model)".to_string(), mb(peaks[0]), whole.events.len().to_string()]);
+    t.row(["lesson 03 (layer-wise)".to_string(), mb(peaks[1]), layerwise.events.len().to_string()]);
+    println!("{}wrote {}", t.render(), path.display());
+    Ok(())
+}
+
+/// `max` that keeps a NaN (a broken run must not read as 0).
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }
+}
