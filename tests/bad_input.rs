@@ -83,3 +83,11 @@ fn unknown_flag() {
     let e = fails("step02-whole-model-shard", 2, &["--stepz", "3"], "bad-flag");
     assert!(e.contains("unexpected argument '--stepz'"), "{e}");
 }
+
+#[test]
+fn blocks_per_unit_out_of_range() {
+    let e = fails("step03-layerwise-shard", 2, &["--blocks-per-unit", "0"], "bad-bpu-0");
+    assert_eq!(e, "error: --blocks-per-unit 0: a unit needs at least one block (pass 1 to 4)");
+    let e = fails("step03-layerwise-shard", 2, &["--blocks-per-unit", "5"], "bad-bpu-5");
+    assert_eq!(e, "error: --blocks-per-unit 5 exceeds the tiny preset's 4 blocks: pass 1 to 4");
+}

@@ -156,10 +156,12 @@ fn timeline_figure(s: &Session, whole: &MemoryTimeline, layerwise: &MemoryTimeli
     ];
     let path = s.out.join("memory_timeline.svg");
     fsdp_gpt::checkpoint::write_atomically(&path, fsdp_harness::plot::svg(&charts).as_bytes())?;
+    let json = serde_json::json!({"rank": 0, "step": 1, "whole_model": whole.events, "layerwise": layerwise.events});
+    fsdp_gpt::checkpoint::write_atomically(&s.out.join("memory_timeline.json"), serde_json::to_string_pretty(&json)?.as_bytes())?;
     let mut t = Table::new(["one step, rank 0", "measured peak heap", "events"]);
     t.row(["lesson 02 (whole model)".to_string(), mb(peaks[0]), whole.events.len().to_string()]);
     t.row(["lesson 03 (layer-wise)".to_string(), mb(peaks[1]), layerwise.events.len().to_string()]);
-    println!("{}wrote {}", t.render(), path.display());
+    println!("{}wrote {} and memory_timeline.json", t.render(), path.display());
     Ok(())
 }
 

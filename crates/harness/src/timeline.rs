@@ -56,10 +56,13 @@ impl MemoryTimeline {
     }
 
     /// A chart of the step: the peak within each event (solid) and the
-    /// live heap after it (dashed), in MB, against the event number.
+    /// live heap after it (dashed), in MB, one step of the staircase per event.
     pub fn chart(&self, title: &str, y_range: Option<(f64, f64)>) -> Chart {
         let mb = |b: u64| b as f64 / 1e6;
-        let pts = |f: &dyn Fn(&MemoryEvent) -> u64| self.events.iter().enumerate().map(|(i, e)| (i as f64, mb(f(e)))).collect();
+        // A staircase: event i spans [i, i + 1] on the x axis.
+        let pts = |f: &dyn Fn(&MemoryEvent) -> u64| {
+            self.events.iter().enumerate().flat_map(|(i, e)| [(i as f64, mb(f(e))), ((i + 1) as f64, mb(f(e)))]).collect()
+        };
         Chart {
             title: title.into(),
             x_label: "event of one step (gather, compute, free, reduce …)".into(),
@@ -70,5 +73,32 @@ impl MemoryTimeline {
             ],
             y_range,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_only_while_on_and_sees_an_allocation() {
+        let mut t = MemoryTimeline::off();
+        t.mark("ignored");
+        assert!(t.events.is_empty());
+        t.record(true);
+        let buf = std::hint::black_box(vec![1u8; 8 << 20]); // 8 MiB held across the mark
+        t.mark("allocated");
+        drop(std::hint::black_box(buf));
+        t.mark("freed");
+        t.record(false);
+        t.mark("ignored too");
+        let labels: Vec<&str> = t.events.iter().map(|e| e.label.as_str()).collect();
+        assert_eq!(labels, ["start", "allocated", "freed"]);
+        let (start, held, freed) = (&t.events[0], &t.events[1], &t.events[2]);
+        assert!(held.live_bytes >= start.live_bytes + (8 << 20), "the buffer is live after its event");
+        // (a few bytes of slack: the labels themselves are allocated too)
+        assert!(freed.live_bytes + (8 << 20) <= held.live_bytes + 1024, "and gone after the next: {:?}", t.events);
+        assert!(freed.peak_bytes >= held.live_bytes, "the freeing event saw it at its peak");
+        assert_eq!(t.chart("x", None).series[0].points.len(), 6, "two points per event: a staircase");
     }
 }
