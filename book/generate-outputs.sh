@@ -18,5 +18,22 @@ run 01-two-ranks 2 step01-data-parallel
 run 02-two-ranks 2 step02-whole-model-shard
 run 02-four-ranks 4 step02-whole-model-shard
 cp out/book/02-two-ranks/shard_vs_replicated.svg "$gen/02-shard-vs-replicated.svg"
+run 03-two-ranks 2 step03-layerwise-shard
+cp out/book/03-two-ranks/memory_timeline.svg "$gen/03-memory-timeline.svg"
+# A shape where the weights, not the activations, fill memory: the small
+# preset (10.7M params) on 1 × 32-token micro-batches.
+run 03-small-params 2 step03-layerwise-shard --preset small --batch-size 1 --seq-len 32 --micro-batches 2 --steps 3
+cp out/book/03-small-params/memory_timeline.svg "$gen/03-memory-timeline-small.svg"
+# Prefetch on and off, 20 steps each, 2 and 4 ranks: the measured lines only.
+{
+    for ranks in 2 4; do
+        for flag in "" --prefetch; do
+            echo "· just step 03 $ranks --steps 20 $flag"
+            mpirun -q --oversubscribe -n "$ranks" target/release/step03-layerwise-shard --steps 20 --log-every 100 --no-plot $flag --out "out/book/03-prefetch" \
+                | grep -E "^measured" | sed 's/^/    /'
+        done
+    done
+} > "$gen/03-prefetch.txt"
+echo "· 03-prefetch"
 cp out/book/01-two-ranks/loss.svg "$gen/01-loss.svg"
 echo "wrote $(ls "$gen" | wc -l) files under $gen"

@@ -126,7 +126,7 @@ fn main() -> ExitCode {
             report.table(format!("max |layer-wise − whole-model| = {} over {} steps\n", sci(max_div as f64), divergence.len()));
         }
         report.finish(Some(&full))?;
-        drop(fsdp);
+        drop((full, fsdp)); // lesson 02's step below starts from the session alone
 
         // The memory timeline: one step of lesson 02 on the same model and batch.
         if !args.no_plot {

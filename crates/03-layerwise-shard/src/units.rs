@@ -13,6 +13,7 @@ use fsdp_comm::{ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
 
+// ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
 pub fn unit_params(table: &ParamTable, n_layer: usize, blocks_per_unit: usize) -> Vec<(String, Vec<usize>)> {
     let g = blocks_per_unit.max(1);
@@ -27,6 +28,7 @@ pub fn unit_params(table: &ParamTable, n_layer: usize, blocks_per_unit: usize) -
     }
     units
 }
+// ANCHOR_END: unit_params
 
 /// One unit on one rank: everything about it is sharded between steps.
 pub struct FsdpUnit {

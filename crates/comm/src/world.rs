@@ -88,6 +88,7 @@ impl World {
         });
     }
 
+    // ANCHOR: overlapped_gather
     /// **all-gather, overlapped**: starts the all-gather of `mine` into `all`
     /// with MPI's non-blocking `MPI_Iallgather`, runs `work` while it is in
     /// flight, then waits for it. `work` cannot touch `all` (the borrow checker
@@ -110,6 +111,7 @@ impl World {
         self.traffic.borrow_mut().record(Collective::AllGather, bytes, bytes, waited);
         r
     }
+    // ANCHOR_END: overlapped_gather
 
     /// **reduce-scatter**, ordered: `full` is this rank's contribution to the
     /// whole (padded) vector, N shards long; afterwards `mine` holds the sum
