@@ -47,7 +47,7 @@ step NN RANKS="2" *ARGS: build
 
 # Run every test: unit tests, then the lessons as real MPI jobs at several world sizes.
 test: build
-    cargo test --release --workspace --features step02-whole-model-shard/solutions,step03-layerwise-shard/solutions
+    cargo test --release --workspace --features step02-whole-model-shard/solutions,step03-layerwise-shard/solutions,step04-optimizer-state-shard/solutions
 
 # Show what lesson NN adds over the lesson before it: its idea file against
 # the previous lesson's, then main.rs, then the files only one of them has.

@@ -13,7 +13,7 @@
 //! Later lessons delete the redundant copies and must produce these bits.
 use anyhow::bail;
 use fsdp_comm::{ShardLayout, sum_in_rank_order};
-use fsdp_gpt::AdamW;
+use fsdp_gpt::{AdamW, Precision};
 use fsdp_gpt::model::add_grads;
 use fsdp_gpt::params::digest_f32;
 use fsdp_harness::{MemoryTally, Session};
@@ -37,10 +37,12 @@ pub struct DataParallel {
     grad_shard: Vec<f32>,
     opt: AdamW,
     reduce: Reduce,
+    /// The compute copy's dtype (`--precision`); params, sums, `m`, `v` stay fp32.
+    precision: Precision,
 }
 
 impl DataParallel {
-    pub fn new(s: &Session, reduce: Reduce) -> Self {
+    pub fn new(s: &Session, reduce: Reduce, precision: Precision) -> Self {
         let numel = s.table.numel();
         let layout = ShardLayout::new(numel, s.world.size());
         Self {
@@ -49,6 +51,7 @@ impl DataParallel {
             grad_shard: vec![0.0; layout.shard_len],
             opt: AdamW::new(s.adamw, numel),
             reduce,
+            precision,
         }
     }
 
@@ -57,7 +60,7 @@ impl DataParallel {
     pub fn step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
         let numel = s.table.numel();
         // 1. forward/backward on my micro-batches, gradients summed in order
-        let vars = s.model.vars_from_flat(&s.table, &self.params)?;
+        let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
         self.grads.fill(0.0);
         let mut loss_sum = 0.0;
         for k in s.my_micro_batches() {
@@ -87,7 +90,7 @@ impl DataParallel {
     /// rank order — the additions of N-rank data parallelism, one by one.
     pub fn accumulate_step(&mut self, s: &Session, step: u64, ranks: usize) -> anyhow::Result<f32> {
         let numel = s.table.numel();
-        let vars = s.model.vars_from_flat(&s.table, &self.params)?;
+        let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
         let mut per_rank = vec![vec![0.0f32; numel]; ranks];
         let mut loss_sum = 0.0;
         for (r, sum) in per_rank.iter_mut().enumerate() {
@@ -123,8 +126,8 @@ impl DataParallel {
         let n = s.world.size();
         let mut t = MemoryTally::new();
         t.add("params (fp32)", numel, 4, "full copy on every rank")
-            .add("params as candle Vars", numel, 4, "compute copy, rebuilt each step")
-            .add("grads of one micro-batch", numel, 4, "candle's GradStore")
+            .add(&format!("params as candle Vars ({})", self.precision), numel, self.precision.bytes(), "compute copy, rebuilt each step")
+            .add(&format!("grads of one micro-batch ({})", self.precision), numel, self.precision.bytes(), "candle's GradStore")
             .add("grads (flat sum)", self.grads.len(), 4, "full, padded to a multiple of N")
             .add("AdamW m", numel, 4, "full")
             .add("AdamW v", numel, 4, "full");

@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use data_parallel::{DataParallel, Reduce};
 use fsdp_comm::Collective;
+use fsdp_gpt::Precision;
 use fsdp_harness::{Lesson, Report, Run, Session, TrainArgs, print0};
 
 const LESSON: Lesson = Lesson { package: "step01-data-parallel", title: "data parallelism, everything replicated (the oracle)" };
@@ -27,6 +28,10 @@ struct Args {
     /// How to all-reduce the gradient: ordered (bitwise reproducible) or native (MPI_Allreduce).
     #[arg(long, value_enum, default_value = "ordered")]
     reduce: Reduce,
+    /// Compute precision: fp32, or bf16 (bf16 compute copy and gradients;
+    /// fp32 master weights, gradient sums and AdamW state).
+    #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<Precision>())]
+    precision: Precision,
 }
 
 fn main() -> ExitCode {
@@ -47,13 +52,16 @@ fn main() -> ExitCode {
         let s = Session::new(world, lesson, args.train.clone())?;
         fsdp_harness::edge::agree(world, check(args.train.micro_batches))?;
         let mut extra = vec![("all-reduce", format!("{:?}", args.reduce).to_lowercase())];
+        if args.precision != Precision::Fp32 {
+            extra.push(("precision", format!("{}: compute copy and grads; fp32 master, sums, AdamW", args.precision)));
+        }
         if let Some(n) = accumulate {
             extra.push(("accumulate", format!("{n} simulated ranks in one process")));
         }
         s.print_config(&extra);
         fsdp_harness::edge::mark_setup_done();
 
-        let mut dp = DataParallel::new(&s, args.reduce);
+        let mut dp = DataParallel::new(&s, args.reduce, args.precision);
         let mut run = Run::start(&s);
         let mut checks = 0;
         for step in 1..=s.args.steps {
@@ -62,6 +70,7 @@ fn main() -> ExitCode {
                 None => dp.step(&s, step)?,
             };
             run.step_done(step, loss);
+            s.check_memory_budget(step)?;
             if s.args.check_every > 0 && (step % s.args.check_every == 0 || step == s.args.steps) {
                 dp.check_replicas(&s, step)?;
                 checks += 1;

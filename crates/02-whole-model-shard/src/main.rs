@@ -49,6 +49,7 @@ fn main() -> ExitCode {
         for step in 1..=s.args.steps {
             let r = fsdp.step(&s, step, &mut MemoryTimeline::off())?;
             run.step_done(step, r.loss);
+            s.check_memory_budget(step)?;
             if let (Some(l), Some(d)) = (r.reference_loss, r.divergence) {
                 ref_losses.push(l);
                 divergence.push(d);

@@ -23,9 +23,8 @@
 //! them, so the weights stay lesson 01's, bit for bit.
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
-use fsdp_comm::World;
 use fsdp_gpt::Batch;
-use fsdp_gpt::model::{add_grads, loss as cross_entropy, with_f32_values};
+use fsdp_gpt::model::{add_grads, add_into, loss as cross_entropy};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_harness::{MemoryTimeline, Session};
 
@@ -93,7 +92,7 @@ struct Carry {
     /// The upstream gradient dL/dx at the current unit boundary, (B, T, C).
     upstream: Vec<Tensor>,
     /// The lm_head's part of the tied `wte` gradient, held until the embedding's part arrives.
-    head_wte: Vec<Vec<f32>>,
+    head_wte: Vec<Tensor>,
     /// The root unit's gradient sum, from the head to the end of backward.
     root_grads: Vec<f32>,
     loss_sum: f64,
@@ -115,24 +114,33 @@ impl LayerwiseShard {
         let root_len = self.units[0].layout.padded;
         let mut c = Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], root_grads: vec![0.0; root_len], loss_sum: 0.0 };
         let plan = schedule(self.units.len() - 1);
-        let mut prefetched: Option<Vec<f32>> = None;
+        let mut prefetched: Option<Tensor> = None;
         for (at, &phase) in plan.iter().enumerate() {
             let unit = &self.units[phase.unit()];
             // 1. all-gather the unit (unless prefetched) into candle tensors
             let params = match phase.needs_weights() {
                 false => vec![],
                 true => {
-                    let gathered = prefetched.take().unwrap_or_else(|| unit.gather(w));
-                    let params = s.model.vars_for(&s.table, &unit.params, &gathered)?;
+                    let gathered = match prefetched.take() {
+                        Some(t) => t,
+                        None => unit.weights(w)?,
+                    };
+                    let params = s.model.vars_from_tensor(&s.table, &unit.params, &gathered)?;
                     drop(gathered);
-                    tl.mark(format!("gather {}", unit.name));
+                    tl.mark(format!("{} {}", if unit.resident.is_some() { "use resident" } else { "gather" }, unit.name));
                     params
                 }
             };
 
             // 2. compute — with the next unit's all-gather in flight under --prefetch
-            let next = plan.get(at + 1).filter(|p| self.prefetch && p.needs_weights()).map(|p| &self.units[p.unit()]);
-            let (grad_sum, next_gathered) = overlap(w, next, || run_phase(s, phase, unit, &params, &mut c));
+            let next = plan.get(at + 1).filter(|p| p.needs_weights()).map(|p| &self.units[p.unit()]);
+            let (grad_sum, next_gathered) = match next.filter(|u| self.prefetch && u.resident.is_none()) {
+                Some(next) => {
+                    let (r, t) = next.gather_while(w, true, || run_phase(s, phase, unit, &params, &mut c))?;
+                    (r, Some(t))
+                }
+                None => (run_phase(s, phase, unit, &params, &mut c), None),
+            };
             prefetched = next_gathered;
             tl.mark(format!("{} {}", phase.label(), unit.name));
 
@@ -145,7 +153,9 @@ impl LayerwiseShard {
         }
         // 4. update: AdamW on my shard of every unit, with the mean gradient
         let inv = 1.0 / s.sampler.micro_batches as f32;
-        self.units.iter_mut().for_each(|u| u.update(inv));
+        for u in &mut self.units {
+            u.update(w, inv)?;
+        }
         tl.mark("AdamW on my shards");
         Ok((w.sum_f64(&[c.loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
     }
@@ -156,22 +166,9 @@ impl LayerwiseShard {
     pub fn gather_full(&self, s: &Session) -> Vec<f32> {
         let mut full = vec![0.0; s.table.numel()];
         for u in &self.units {
-            u.place(&s.table, &u.gather(s.world), &mut full);
+            u.place(&s.table, &u.gather_master(s.world), &mut full);
         }
         full
-    }
-}
-
-/// Runs `work`; under `--prefetch` (`next` is given), with the next unit's
-/// all-gather in flight, returning its gathered weights too.
-fn overlap<R>(w: &World, next: Option<&FsdpUnit>, work: impl FnOnce() -> R) -> (R, Option<Vec<f32>>) {
-    match next {
-        None => (work(), None),
-        Some(unit) => {
-            let mut buf = vec![0.0; unit.layout.padded];
-            let r = w.all_gather_overlapped(&unit.master, &mut buf, work);
-            (r, Some(buf))
-        }
     }
 }
 
@@ -203,7 +200,7 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
                 let grads = loss.backward()?;
                 c.loss_sum += loss.to_scalar::<f32>()? as f64;
                 add_grads(&grads, &p[2..4], &mut c.root_grads[unit.ranges[2].start..unit.ranges[3].end])?;
-                c.head_wte.push(with_f32_values(grads.get(&p[0]).context("wte grad")?, <[f32]>::to_vec)?);
+                c.head_wte.push(grads.get(&p[0]).context("wte grad")?.detach());
                 c.upstream.push(grads.get(&x).context("head input grad")?.detach());
             }
             Ok(None)
@@ -226,18 +223,18 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
             // upstream gradient — no weights, so nothing was gathered.
             let mut sum = std::mem::take(&mut c.root_grads);
             let (wte, wpe) = (unit.ranges[0].clone(), unit.ranges[1].clone());
-            let wpe_var = Var::zeros(s.table.specs[unit.params[1]].shape.as_slice(), DType::F32, &Device::Cpu)?;
+            let dtype = c.upstream.first().map_or(DType::F32, Tensor::dtype); // the compute dtype
+            let wpe_var = Var::zeros(s.table.specs[unit.params[1]].shape.as_slice(), dtype, &Device::Cpu)?;
             for ((b, g), head) in c.batches.iter().zip(&c.upstream).zip(&c.head_wte) {
                 let ids = b.inputs.flatten_all()?; // (B·T)
-                let rows = Var::zeros((ids.dim(0)?, s.cfg.n_embd), DType::F32, &Device::Cpu)?; // stand-in for the looked-up rows
+                let rows = Var::zeros((ids.dim(0)?, s.cfg.n_embd), dtype, &Device::Cpu)?; // stand-in for the looked-up rows
                 let grads = (m.add_positions(&rows, &wpe_var, b.inputs.dims2()?)? * g)?.sum_all()?.backward()?;
                 // wte's whole gradient, formed as candle's one-graph backward
                 // forms it: the lm_head part, then each token's row gradient
                 // index-added onto it (in token order), then onto the running sum.
-                let head = Tensor::from_slice(head, s.table.specs[unit.params[0]].shape.as_slice(), &Device::Cpu)?;
                 let tied = head.index_add(&ids, grads.get(&rows).context("row grads")?, 0)?;
-                with_f32_values(&tied, |e| sum[wte.clone()].iter_mut().zip(e).for_each(|(a, e)| *a += e))?;
-                with_f32_values(grads.get(&wpe_var).context("wpe grad")?, |e| sum[wpe.clone()].iter_mut().zip(e).for_each(|(a, e)| *a += e))?;
+                add_into(&mut sum[wte.clone()], &tied)?;
+                add_into(&mut sum[wpe.clone()], grads.get(&wpe_var).context("wpe grad")?)?;
             }
             Ok(Some(sum))
         }

@@ -10,7 +10,7 @@
 //! use step03_layerwise_shard::{LayerwiseShard, units::build_units};
 //! let init = s.table.init_flat(s.args.seed);
 //! let (rank, n) = (s.world.rank(), s.world.size());
-//! let units = build_units(&s.table, s.cfg.n_layer, 1, &init, rank, n, s.adamw);
+//! let units = build_units(&s.table, s.cfg.n_layer, 1, &init, rank, n, s.adamw, fsdp_gpt::Precision::Fp32);
 //! let mut fsdp = LayerwiseShard { units, prefetch: false };
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }

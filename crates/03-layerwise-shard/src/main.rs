@@ -59,7 +59,7 @@ fn main() -> ExitCode {
             _ => Ok(()),
         })?;
         let init = s.table.init_flat(s.args.seed);
-        let units = build_units(&s.table, layers, g, &init, world.rank(), world.size(), s.adamw);
+        let units = build_units(&s.table, layers, g, &init, world.rank(), world.size(), s.adamw, fsdp_gpt::Precision::Fp32);
         drop(init);
         let unit_names: Vec<&str> = units.iter().map(|u| u.name.as_str()).collect();
         s.print_config(&[
@@ -79,6 +79,7 @@ fn main() -> ExitCode {
             let loss = fsdp.step(&s, step, &mut timeline)?;
             timeline.record(false);
             run.step_done(step, loss);
+            s.check_memory_budget(step)?;
             if let Some(r) = reference.as_mut() {
                 let d = world.untracked(|| -> anyhow::Result<f32> {
                     r.step(&s, step, &mut MemoryTimeline::off())?;

@@ -9,9 +9,11 @@
 //! consecutive transformer blocks each.
 use std::ops::Range;
 
+use candle_core::{Device, Tensor};
 use fsdp_comm::{ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
-use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
+use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
+use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Precision, Unit};
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
@@ -46,12 +48,17 @@ pub struct FsdpUnit {
     pub grad: Vec<f32>,
     /// AdamW on my shard only: `m` and `v` are 1/N of the unit each.
     opt: AdamW,
+    /// The dtype the unit computes in; the all-gather moves this dtype.
+    pub precision: Precision,
+    /// A full compute copy kept between steps, when parameters are *not*
+    /// sharded (lesson 04's ZeRO stages 1 and 2); refreshed after each update.
+    pub resident: Option<Tensor>,
 }
 
 impl FsdpUnit {
     /// Cuts my shard out of the unit's part of the initial weights `init`
     /// (the whole model's flat vector, the same on every rank).
-    pub fn new(table: &ParamTable, name: String, params: Vec<usize>, init: &[f32], rank: usize, world: usize, adamw: AdamWConfig) -> Self {
+    pub fn new(table: &ParamTable, name: String, params: Vec<usize>, init: &[f32], rank: usize, world: usize, adamw: AdamWConfig, precision: Precision) -> Self {
         let mut flat = Vec::new();
         let mut ranges = Vec::new();
         for &i in &params {
@@ -63,12 +70,54 @@ impl FsdpUnit {
         flat.resize(layout.padded, 0.0);
         let master = flat[layout.shard(rank).range()].to_vec();
         let blocks = params.len() / PARAMS_PER_BLOCK;
-        Self { name, params, ranges, blocks, layout, master, grad: vec![0.0; layout.shard_len], opt: AdamW::new(adamw, layout.shard_len) }
+        let (grad, opt) = (vec![0.0; layout.shard_len], AdamW::new(adamw, layout.shard_len));
+        Self { name, params, ranges, blocks, layout, master, grad, opt, precision, resident: None }
     }
 
-    /// **all-gather**: the whole unit, padded, in a freshly allocated buffer
-    /// (the caller frees it by dropping it).
-    pub fn gather(&self, w: &World) -> Vec<f32> {
+    /// The unit's full weights in the compute dtype, as one flat tensor
+    /// (padded): the resident copy if there is one, else an all-gather.
+    pub fn weights(&self, w: &World) -> candle_core::Result<Tensor> {
+        match &self.resident {
+            Some(t) => Ok(t.clone()),
+            None => self.gather(w),
+        }
+    }
+
+    /// **all-gather** of the compute copy: every rank rounds its fp32 shard
+    /// to the compute dtype and sends that (2 bytes per element under bf16,
+    /// half of fp32's). The result is freshly allocated; drop it to free it.
+    pub fn gather(&self, w: &World) -> candle_core::Result<Tensor> {
+        Ok(self.gather_while(w, false, || ())?.1)
+    }
+
+    /// The same all-gather, overlapped with `work` when `overlap` is set
+    /// (MPI's non-blocking all-gather; see `World::all_gather_overlapped`).
+    pub fn gather_while<R>(&self, w: &World, overlap: bool, work: impl FnOnce() -> R) -> candle_core::Result<(R, Tensor)> {
+        let n = self.layout.padded;
+        fn run<T: fsdp_comm::Equivalence + Copy, R>(w: &World, overlap: bool, mine: &[T], all: &mut [T], work: impl FnOnce() -> R) -> R {
+            if overlap {
+                w.all_gather_overlapped(mine, all, work)
+            } else {
+                w.all_gather(mine, all);
+                work()
+            }
+        }
+        match self.precision {
+            Precision::Fp32 => {
+                let mut full = vec![0.0f32; n];
+                let r = run(w, overlap, &self.master, &mut full, work);
+                Ok((r, Tensor::from_vec(full, n, &Device::Cpu)?))
+            }
+            Precision::Bf16 => {
+                let mut full = vec![0u16; n];
+                let r = run(w, overlap, &bf16_bits(&self.master), &mut full, work);
+                Ok((r, bf16_tensor(full)?))
+            }
+        }
+    }
+
+    /// The fp32 master weights of the whole unit (for the final weights file).
+    pub fn gather_master(&self, w: &World) -> Vec<f32> {
         let mut full = vec![0.0; self.layout.padded];
         w.all_gather(&self.master, &mut full);
         full
@@ -80,10 +129,16 @@ impl FsdpUnit {
         w.reduce_scatter(sum, &mut self.grad);
     }
 
-    /// AdamW on my shard, with the gradient scaled by `inv` (1 / micro-batches).
-    pub fn update(&mut self, inv: f32) {
+    /// AdamW on my shard, with the gradient scaled by `inv` (1 / micro-batches);
+    /// a resident copy is then refreshed by an all-gather of the new weights.
+    pub fn update(&mut self, w: &World, inv: f32) -> candle_core::Result<()> {
         self.grad.iter_mut().for_each(|g| *g *= inv);
         self.opt.step(&mut self.master, &self.grad);
+        if self.resident.is_some() {
+            self.resident = None; // free the old copy before the new one arrives
+            self.resident = Some(self.gather(w)?);
+        }
+        Ok(())
     }
 
     /// Copies a gathered unit's parameters to their places in the model's flat vector.
@@ -95,9 +150,19 @@ impl FsdpUnit {
 }
 
 /// Every unit of the model on this rank, root first.
-pub fn build_units(table: &ParamTable, n_layer: usize, blocks_per_unit: usize, init: &[f32], rank: usize, world: usize, adamw: AdamWConfig) -> Vec<FsdpUnit> {
+#[allow(clippy::too_many_arguments)]
+pub fn build_units(
+    table: &ParamTable,
+    n_layer: usize,
+    blocks_per_unit: usize,
+    init: &[f32],
+    rank: usize,
+    world: usize,
+    adamw: AdamWConfig,
+    precision: Precision,
+) -> Vec<FsdpUnit> {
     unit_params(table, n_layer, blocks_per_unit)
         .into_iter()
-        .map(|(name, params)| FsdpUnit::new(table, name, params, init, rank, world, adamw))
+        .map(|(name, params)| FsdpUnit::new(table, name, params, init, rank, world, adamw, precision))
         .collect()
 }

@@ -36,6 +36,7 @@ pub mod data;
 pub mod error;
 pub mod model;
 pub mod params;
+pub mod precision;
 pub mod rng;
 
 pub use adamw::{AdamW, AdamWConfig};
@@ -44,3 +45,4 @@ pub use data::{Batch, Corpus, Sampler};
 pub use error::GptError;
 pub use model::Gpt;
 pub use params::{ParamSpec, ParamTable, Unit};
+pub use precision::Precision;

@@ -71,6 +71,37 @@ impl Gpt {
             .collect()
     }
 
+    /// `Var`s for the entries `params`, cut from `full`, a 1-D tensor holding
+    /// exactly those parameters back to back (any dtype: the compute copy).
+    pub fn vars_from_tensor(&self, table: &ParamTable, params: &[usize], full: &Tensor) -> Result<Vec<Var>> {
+        let mut at = 0;
+        params
+            .iter()
+            .map(|&i| {
+                let s = &table.specs[i];
+                let v = Var::from_tensor(&full.narrow(0, at, s.numel())?.reshape(s.shape.as_slice())?)?;
+                at += s.numel();
+                Ok(v)
+            })
+            .collect()
+    }
+
+    /// The whole model's `Var`s in the compute dtype of `precision`, from the
+    /// fp32 `flat` vector (rounded to nearest-even under bf16).
+    pub fn vars_in(&self, table: &ParamTable, flat: &[f32], precision: crate::Precision) -> Result<Vec<Var>> {
+        match precision {
+            crate::Precision::Fp32 => self.vars_from_flat(table, flat),
+            crate::Precision::Bf16 => table
+                .specs
+                .iter()
+                .map(|s| {
+                    let t = Tensor::from_slice(&flat[s.range()], s.shape.as_slice(), &Device::Cpu)?.to_dtype(DType::BF16)?;
+                    Ok(Var::from_tensor(&t)?)
+                })
+                .collect(),
+        }
+    }
+
     /// Token + position embedding. `idx`: (B, T) u32 → (B, T, C).
     pub fn embed(&self, wte: &Tensor, wpe: &Tensor, idx: &Tensor) -> Result<Tensor> {
         let tok = wte.embedding(&idx.flatten_all()?)?; // (B·T, C): one row of wte per token
@@ -134,8 +165,10 @@ impl Gpt {
     }
 }
 
-/// Mean cross-entropy of logits (B, T, V) against targets (B, T) u32.
+/// Mean cross-entropy of logits (B, T, V) against targets (B, T) u32,
+/// computed in fp32 whatever the compute dtype (a no-op cast under fp32).
 pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logits = logits.to_dtype(DType::F32)?;
     let (b, t, v) = logits.dims3()?;
     Ok(candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, &targets.flatten_all()?)?)
 }
@@ -196,17 +229,23 @@ pub fn copy_grads(grads: &candle_core::backprop::GradStore, vars: &[Var], out: &
 /// Adds the gradient of each `var` onto `acc` (their flat slots, back to
 /// back): `acc += g`, the gradient-accumulation step. Used for the sum over
 /// micro-batches, so its order of additions is part of every lesson's result.
+/// A bf16 gradient is widened to fp32 first (exactly: every bf16 is an f32).
 pub fn add_grads(grads: &candle_core::backprop::GradStore, vars: &[Var], acc: &mut [f32]) -> Result<()> {
     let mut at = 0;
     for v in vars {
         let n = v.elem_count();
         if let Some(g) = grads.get(v.as_tensor()) {
-            let slot = &mut acc[at..at + n];
-            with_f32_values(g, |g| slot.iter_mut().zip(g).for_each(|(a, x)| *a += x))?;
+            add_into(&mut acc[at..at + n], g)?;
         }
         at += n;
     }
     Ok(())
+}
+
+/// `acc += t`, element by element, `t` widened to fp32 (a no-op for fp32).
+pub fn add_into(acc: &mut [f32], t: &Tensor) -> Result<()> {
+    let t = t.to_dtype(DType::F32)?;
+    with_f32_values(&t, |t| acc.iter_mut().zip(t).for_each(|(a, x)| *a += x))
 }
 
 #[cfg(test)]

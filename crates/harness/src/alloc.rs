@@ -3,7 +3,7 @@
 //! through it, so "measured" in a report means measured.
 //! (Memory that MPI's C library allocates with `malloc` is not seen.)
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 pub struct CountingAllocator;
 
@@ -11,6 +11,12 @@ static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 /// The peak since the last [`take_window_peak`]: what a memory timeline samples.
 static WINDOW_PEAK: AtomicUsize = AtomicUsize::new(0);
+/// `--mem-budget`: the live heap this rank may hold; the first allocation
+/// that would cross it is recorded as an out-of-memory event.
+static BUDGET: AtomicUsize = AtomicUsize::new(usize::MAX);
+static OVERRUN: AtomicBool = AtomicBool::new(false);
+static OVERRUN_NEEDED: AtomicUsize = AtomicUsize::new(0);
+static OVERRUN_LIVE: AtomicUsize = AtomicUsize::new(0);
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -46,6 +52,10 @@ unsafe impl GlobalAlloc for CountingAllocator {
 
 fn grow(n: usize) {
     let live = LIVE.fetch_add(n, Relaxed) + n;
+    if live > BUDGET.load(Relaxed) && !OVERRUN.swap(true, Relaxed) {
+        OVERRUN_NEEDED.store(n, Relaxed);
+        OVERRUN_LIVE.store(live - n, Relaxed);
+    }
     PEAK.fetch_max(live, Relaxed);
     WINDOW_PEAK.fetch_max(live, Relaxed);
 }
@@ -71,6 +81,30 @@ pub fn reset_peak() {
 pub fn take_window_peak() -> usize {
     let live = LIVE.load(Relaxed);
     WINDOW_PEAK.swap(live, Relaxed).max(live)
+}
+
+/// The first allocation that crossed the budget: what it asked for, and
+/// what was live before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Overrun {
+    pub needed: usize,
+    pub live: usize,
+    pub budget: usize,
+}
+
+/// Sets (or, with `None`, lifts) the per-rank heap budget and clears any overrun.
+pub fn set_budget(bytes: Option<usize>) {
+    OVERRUN.store(false, Relaxed);
+    BUDGET.store(bytes.unwrap_or(usize::MAX), Relaxed);
+}
+
+/// The first allocation beyond the budget since it was set, if any.
+pub fn overrun() -> Option<Overrun> {
+    OVERRUN.load(Relaxed).then(|| Overrun {
+        needed: OVERRUN_NEEDED.load(Relaxed),
+        live: OVERRUN_LIVE.load(Relaxed),
+        budget: BUDGET.load(Relaxed),
+    })
 }
 
 /// The process's peak resident set size (VmHWM), in bytes, where Linux tells it.

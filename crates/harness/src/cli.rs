@@ -57,6 +57,50 @@ pub struct TrainArgs {
     /// Verify every this many steps that the ranks' copies agree bit for bit (0: never).
     #[arg(long, default_value_t = 10)]
     pub check_every: u64,
+
+    /// Heap budget per rank, like a GPU's memory (e.g. 120MB, 1.5GB): the
+    /// counting allocator flags the first allocation beyond it, and the run
+    /// stops on every rank with an out-of-memory error at the end of that step.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub mem_budget: Option<u64>,
+}
+
+/// `120MB`, `1.5GB`, `512MiB`, `2e9`, `4096`: a size in bytes (MB = 10⁶, MiB = 2²⁰).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic() && c != 'e').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(format!("`{s}` is not a size: use a number with B, KB, MB, GB, KiB, MiB or GiB, e.g. 120MB")),
+    };
+    match num.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 && x * scale < 1.8e19 => Ok((x * scale).round() as u64),
+        _ => Err(format!("`{s}` is not a size: use a positive number with B, KB, MB, GB, KiB, MiB or GiB, e.g. 120MB")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_parse_in_decimal_and_binary_units() {
+        assert_eq!(parse_size("120MB"), Ok(120_000_000));
+        assert_eq!(parse_size("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2e9"), Ok(2_000_000_000));
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("-5MB").is_err());
+        assert!(parse_size("MB").is_err());
+    }
 }
 
 fn positive_f32(s: &str) -> Result<f32, String> {

@@ -63,6 +63,7 @@ impl<'w> Session<'w> {
         }
         let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
         let table = ParamTable::new(&cfg);
+        crate::alloc::set_budget(args.mem_budget.map(|b| b as usize));
         Ok(Self { world, lesson: *lesson, args, corpus, cfg, table, model: Gpt::new(cfg), sampler, adamw, out })
     }
 
@@ -80,6 +81,30 @@ impl<'w> Session<'w> {
         let loss = fsdp_gpt::model::loss(&logits, &batch.targets)?;
         let grads = loss.backward()?;
         Ok((loss.to_scalar::<f32>()?, grads))
+    }
+
+    /// `--mem-budget`: after each step every rank learns whether any rank
+    /// allocated beyond its budget; if one did, rank 0 prints one line and
+    /// every rank stops with exit code 2, like a GPU's out-of-memory error.
+    /// Without a budget it does nothing (and no collective).
+    pub fn check_memory_budget(&self, step: u64) -> anyhow::Result<()> {
+        if self.args.mem_budget.is_none() {
+            return Ok(());
+        }
+        let o = crate::alloc::overrun();
+        let mine = o.map_or([0, 0, 0], |o| [1, o.needed as u64, o.live as u64]);
+        let all = self.world.gather_control(&mine);
+        let Some((rank, r)) = all.chunks_exact(3).enumerate().find(|(_, r)| r[0] == 1) else { return Ok(()) };
+        if self.world.is_root() {
+            let budget = self.args.mem_budget.unwrap_or(0);
+            eprintln!(
+                "error: out of memory on rank {rank}: needed {}, budget {}, live {} (step {step}; pass a larger --mem-budget, more ranks, or a higher ZeRO stage)",
+                crate::table::mb(r[1]),
+                crate::table::mb(budget),
+                crate::table::mb(r[2])
+            );
+        }
+        Err(crate::edge::Stop::Reported.into())
     }
 
     /// The config table, printed once by rank 0, with derived quantities.
@@ -102,6 +127,9 @@ impl<'w> Session<'w> {
         let a = &self.adamw;
         t.row(["AdamW".to_string(), format!("lr {}, betas ({}, {}), eps {:e}, weight decay {}", a.lr, a.beta1, a.beta2, a.eps, a.weight_decay)]);
         t.row(["seed".to_string(), self.args.seed.to_string()]);
+        if let Some(b) = self.args.mem_budget {
+            t.row(["memory budget per rank".to_string(), format!("{} (counting allocator, like a GPU's memory)", crate::table::mb(b))]);
+        }
         t.row(["compute threads per rank".to_string(), std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "1".into())]);
         for (k, v) in extra {
             t.row([k.to_string(), v.clone()]);

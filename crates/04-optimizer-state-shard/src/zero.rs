@@ -1,0 +1,118 @@
+//! The bytes of ZeRO, two ways: from first principles for any model size
+//! (the paper's formulas, `just tally 7B 64`), and from this run's shapes,
+//! category by category, for data parallelism and each stage side by side.
+use fsdp_harness::MemoryTally;
+use fsdp_harness::table::{Table, mb};
+
+/// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
+pub const SCHEMES: [(u8, &str); 4] = [(0, "data parallel"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")];
+
+// ANCHOR: formula
+/// Model-state bytes per device for `params` parameters on `ranks` ranks,
+/// with `k` bytes of optimizer state per parameter (fp32 master, m, v: 12)
+/// and 2-byte (bf16) weights and gradients — the ZeRO paper's accounting.
+/// `stage` 0 is plain data parallelism.
+pub fn model_state_bytes(params: f64, ranks: u64, stage: u8, k: f64) -> f64 {
+    let n = ranks as f64;
+    match stage {
+        0 => (2.0 + 2.0 + k) * params,           // everything replicated
+        1 => 2.0 * params + 2.0 * params + k * params / n, // optimizer state sharded
+        2 => 2.0 * params + (2.0 + k) * params / n, // + gradients
+        _ => (2.0 + 2.0 + k) * params / n,         // + parameters
+    }
+}
+// ANCHOR_END: formula
+
+/// What a run's tally needs to know about its shapes.
+#[derive(Debug, Clone, Copy)]
+pub struct Shapes {
+    /// Parameters (Ψ), unpadded.
+    pub numel: usize,
+    /// Σ over units of the padded length (the resident copies are padded).
+    pub padded: usize,
+    /// Σ over units of my shard's length.
+    pub shards: usize,
+    /// The largest unit: elements, and padded.
+    pub largest: usize,
+    pub largest_padded: usize,
+    pub ranks: usize,
+    /// Bytes per element of the compute copy and candle's gradients (2 for bf16).
+    pub compute_bytes: usize,
+    pub prefetch: bool,
+}
+
+// ANCHOR: tally
+/// Bytes per rank by category for `stage` (0: data parallelism, lesson 01),
+/// from shapes. Model states and the buffers around them; activations are
+/// not here (the measured peak beside it includes them).
+pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
+    let (c, n) = (sh.compute_bytes, sh.ranks);
+    let cdt = if c == 2 { "bf16" } else { "fp32" };
+    let mut t = MemoryTally::new();
+    if stage == 0 {
+        let all_reduce = if n > 1 { sh.numel.div_ceil(n) * (n + 1) } else { 0 };
+        t.add("fp32 params (the master)", sh.numel, 4, "replicated")
+            .add("AdamW m", sh.numel, 4, "replicated")
+            .add("AdamW v", sh.numel, 4, "replicated")
+            .add(&format!("compute copy as candle Vars ({cdt})"), sh.numel, c, "whole model")
+            .add(&format!("grads of one micro-batch ({cdt})"), sh.numel, c, "whole model")
+            .add("grad sum (fp32)", sh.numel.div_ceil(n) * n, 4, "whole model, all-reduced")
+            .add("comm buffers", all_reduce, 4, "all-to-all receive + own shard");
+        return t;
+    }
+    let share = format!("1/{n} of every unit");
+    t.add("fp32 master shard", sh.shards, 4, &share)
+        .add("AdamW m shard", sh.shards, 4, &share)
+        .add("AdamW v shard", sh.shards, 4, &share);
+    let (unit, whole) = ("largest unit, freed after use", "whole model");
+    match stage {
+        1 => t
+            .add("grad shard (fp32)", sh.shards, 4, &share)
+            .add(&format!("compute copy, resident ({cdt})"), sh.padded, c, "whole model, all-gathered after each update")
+            .add(&format!("compute copy as candle Vars ({cdt})"), sh.numel, c, whole)
+            .add(&format!("grads of one micro-batch ({cdt})"), sh.numel, c, whole)
+            .add("grad sums (fp32)", sh.padded, 4, "whole model, until reduce-scattered"),
+        2 => t
+            .add("grad shard (fp32)", sh.shards, 4, &share)
+            .add(&format!("compute copy, resident ({cdt})"), sh.padded, c, "whole model, all-gathered after each update")
+            .add(&format!("unit as candle Vars ({cdt})"), sh.largest, c, unit)
+            .add(&format!("unit grads of one micro-batch ({cdt})"), sh.largest, c, unit)
+            .add("unit grad sum (fp32)", sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
+        _ => t
+            .add("grad shard (fp32)", sh.shards, 4, &share)
+            .add(&format!("gathered unit ({cdt})"), sh.largest_padded, c, "all-gather output, freed once copied")
+            .add(&format!("unit as candle Vars ({cdt})"), sh.largest, c, unit)
+            .add(&format!("unit grads of one micro-batch ({cdt})"), sh.largest, c, unit)
+            .add("unit grad sum (fp32)", sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
+    };
+    if stage == 3 && sh.prefetch {
+        t.add(&format!("next unit, prefetched ({cdt})"), sh.largest_padded, c, "--prefetch");
+    }
+    if n > 1 {
+        t.add("comm buffers", sh.largest_padded, 4, "reduce-scatter's all-to-all receive, largest unit");
+    }
+    t
+}
+// ANCHOR_END: tally
+
+/// Data parallelism and the three stages, side by side, for this run's
+/// model and world size: the from-shapes total, and the paper's formula.
+pub fn side_by_side(sh: Shapes, k: f64) -> Table {
+    let mut t = Table::new(["per rank", "data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3"]);
+    let tallies: Vec<MemoryTally> = SCHEMES.iter().map(|&(st, _)| tally(st, sh)).collect();
+    let by = |pick: &dyn Fn(&str) -> bool| -> Vec<String> {
+        tallies.iter().map(|t| mb(t.rows.iter().filter(|r| pick(&r.category)).map(|r| r.bytes()).sum())).collect()
+    };
+    let row = |t: &mut Table, label: &str, cells: Vec<String>| {
+        t.row(std::iter::once(label.to_string()).chain(cells).collect::<Vec<_>>());
+    };
+    row(&mut t, "fp32 master + AdamW m, v", by(&|c| c.contains("master") || c.starts_with("AdamW")));
+    row(&mut t, "gradients (compute + fp32 sums, shard)", by(&|c| c.contains("grad")));
+    row(&mut t, "compute copy of the weights", by(&|c| c.contains("compute copy") || c.contains("unit as") || c.contains("gathered unit") || c.contains("prefetched")));
+    row(&mut t, "comm buffers", by(&|c| c == "comm buffers"));
+    t.separator();
+    row(&mut t, "total, from shapes", tallies.iter().map(|t| mb(t.total_bytes())).collect());
+    let paper = SCHEMES.iter().map(|&(st, _)| mb(model_state_bytes(sh.numel as f64, sh.ranks as u64, st, k) as u64)).collect();
+    row(&mut t, &format!("ZeRO paper, K = {k}: 2+2+K bytes/param"), paper);
+    t
+}
