@@ -45,6 +45,32 @@ step NN RANKS="2" *ARGS: build
     if [ -t 1 ]; then export FSDP_PROGRESS=bar; else export FSDP_PROGRESS=plain; fi
     exec mpirun -q $over -n "$ranks" "target/release/step${dir#crates/}" "${args[@]}"
 
+# Model-state bytes per device for data parallel and ZeRO 1-3, e.g. `just tally 7B 64`.
+tally PARAMS RANKS *ARGS: build
+    @target/release/zero-tally {{PARAMS}} {{RANKS}} {{ARGS}}
+
+# "Doesn't fit -> fits": one memory budget per rank, data parallel against ZeRO-1/2/3 on 4 ranks.
+fits BUDGET="150MB": build
+    #!/usr/bin/env bash
+    set -uo pipefail
+    args=(--preset small --batch-size 2 --seq-len 64 --micro-batches 4 --steps 3 --log-every 1 --mem-budget {{BUDGET}} --out out/fits)
+    echo "small preset (10.7M params), bf16 compute, 4 ranks, --mem-budget {{BUDGET}} per rank"
+    run() {
+        local label=$1; shift
+        printf '\n== %s\n' "$label"
+        out=$(mpirun -q --oversubscribe -n 4 "$@" "${args[@]}" 2>&1); code=$?
+        echo "$out" | grep -E '^(step |error)|peak live heap' || true
+        if [ $code -eq 0 ]; then echo "-> trained (exit 0)"; else echo "-> stopped: out of memory (exit $code)"; fi
+        return $code
+    }
+    run "data parallel (lesson 01)" target/release/step01-data-parallel --precision bf16; dp=$?
+    run "ZeRO-1" target/release/step04-optimizer-state-shard --stage 1; z1=$?
+    run "ZeRO-2" target/release/step04-optimizer-state-shard --stage 2; z2=$?
+    run "ZeRO-3" target/release/step04-optimizer-state-shard --stage 3; z3=$?
+    echo
+    # The demo succeeds when the budget separates them: data parallel fails, ZeRO-3 trains.
+    [ $dp -ne 0 ] && [ $z3 -eq 0 ] || { echo "with {{BUDGET}} the budget does not separate data parallel from ZeRO-3"; exit 1; }
+
 # Run every test: unit tests, then the lessons as real MPI jobs at several world sizes.
 test: build
     cargo test --release --workspace --features step02-whole-model-shard/solutions,step03-layerwise-shard/solutions,step04-optimizer-state-shard/solutions

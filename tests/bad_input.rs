@@ -91,3 +91,13 @@ fn blocks_per_unit_out_of_range() {
     let e = fails("step03-layerwise-shard", 2, &["--blocks-per-unit", "5"], "bad-bpu-5");
     assert_eq!(e, "error: --blocks-per-unit 5 exceeds the tiny preset's 4 blocks: pass 1 to 4");
 }
+
+#[test]
+fn zero_stage_precision_and_budget_out_of_range() {
+    let e = fails("step04-optimizer-state-shard", 2, &["--stage", "4"], "bad-stage");
+    assert!(e.contains("'4' for '--stage <STAGE>'"), "{e}");
+    let e = fails("step01-data-parallel", 2, &["--precision", "fp16"], "bad-precision");
+    assert!(e.contains("`fp16` is not a precision: choose fp32 or bf16"), "{e}");
+    let e = fails("step04-optimizer-state-shard", 2, &["--mem-budget", "12parsecs"], "bad-budget");
+    assert!(e.contains("`12parsecs` is not a size"), "{e}");
+}

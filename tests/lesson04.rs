@@ -1,0 +1,107 @@
+//! Lesson 04, optimizer-state shard: ZeRO stages 1, 2, 3 give lesson 01's
+//! bits under the same precision; the tallies, the bf16 wire bytes, the
+//! memory budget and `zero-tally`.
+mod common;
+use common::*;
+
+const PKG: &str = "step04-optimizer-state-shard";
+
+fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    FAST.iter().copied().chain(extra.iter().copied()).collect()
+}
+
+/// Every stage equals lesson 01 bit for bit, under fp32 and under bf16, at
+/// N = 1, 2, 3, 4 — the weights files byte-identical.
+#[test]
+fn every_stage_equals_lesson_01_under_both_precisions() {
+    for precision in ["fp32", "bf16"] {
+        for n in 1..=4usize {
+            let (o, dp) = mpirun("step01-data-parallel", n, &with(&["--precision", precision]), &format!("l04-dp-{precision}-{n}"));
+            ok_stdout(&o);
+            let dp_weights = std::fs::read(dp.join("weights.safetensors")).unwrap();
+            for stage in ["1", "2", "3"] {
+                let (o, out) = mpirun(PKG, n, &with(&["--precision", precision, "--stage", stage]), &format!("l04-{precision}-{n}-{stage}"));
+                ok_stdout(&o);
+                assert_eq!(digest(&dp), digest(&out), "{precision}, N = {n}, stage {stage}");
+                assert!(dp_weights == std::fs::read(out.join("weights.safetensors")).unwrap(), "{precision}, N = {n}, stage {stage}: weights files differ");
+            }
+        }
+    }
+    // bf16 computes something else than fp32 (the test above is not vacuous).
+    assert_ne!(digest(&root().join("target/test-out/l04-dp-fp32-2")), digest(&root().join("target/test-out/l04-dp-bf16-2")));
+}
+
+/// The report of each stage at 4 ranks, and of stage 3 at 1–3 ranks: the
+/// side-by-side table, the tally, the traffic, the digest.
+#[test]
+fn reports_are_pinned() {
+    for (n, stage) in [(4, "1"), (4, "2"), (4, "3"), (1, "3"), (2, "3"), (3, "3")] {
+        let (o, _) = mpirun(PKG, n, &with(&["--stage", stage]), &format!("l04-report-{n}-{stage}"));
+        insta::assert_snapshot!(format!("report_stage_{stage}_{n}_ranks"), deterministic(&ok_stdout(&o)));
+    }
+}
+
+/// Under bf16 the all-gathers move 2 bytes per element, half of fp32's; the
+/// gradient is reduced in fp32 either way. Stage 3 gathers each unit twice,
+/// stages 1 and 2 once (the new weights).
+#[test]
+fn bf16_halves_the_all_gather_bytes() {
+    let sent = |stage: &str, precision: &str| {
+        let (o, out) = mpirun(PKG, 2, &with(&["--stage", stage, "--precision", precision]), &format!("l04-bytes-{stage}-{precision}"));
+        ok_stdout(&o);
+        let r = report(&out);
+        let steps = r["steps"].as_u64().unwrap();
+        (r["traffic"]["all_gather"]["bytes_sent"].as_u64().unwrap() / steps, r["traffic"]["reduce_scatter"]["bytes_sent"].as_u64().unwrap() / steps)
+    };
+    let (g32, r32) = sent("3", "fp32");
+    let (g16, r16) = sent("3", "bf16");
+    assert_eq!((g32, r32), (2 * 1_619_712, 1_619_712), "tiny at 2 ranks: (N−1)/N of 809,856 fp32 elements per gather");
+    assert_eq!((g16, r16), (g32 / 2, r32));
+    let (g1, r1) = sent("1", "bf16");
+    assert_eq!((g1, r1), (g16 / 2, r16));
+}
+
+/// The side-by-side totals fall stage by stage, and so does the heap the
+/// allocator measured: ZeRO-3 peaks below data parallelism.
+#[test]
+fn memory_falls_stage_by_stage() {
+    let (o, out) = mpirun(PKG, 4, &with(&["--stage", "3"]), "l04-falls-3");
+    ok_stdout(&o);
+    let r = report(&out);
+    let totals: Vec<u64> = r["side_by_side_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert!(totals.windows(2).all(|w| w[0] > w[1]), "data parallel > ZeRO-1 > ZeRO-2 > ZeRO-3: {totals:?}");
+    let (o, dp) = mpirun("step01-data-parallel", 4, &with(&["--precision", "bf16"]), "l04-falls-dp");
+    ok_stdout(&o);
+    let peak = |out: &std::path::Path| report(out)["measured_peak_bytes"][0].as_u64().unwrap();
+    assert!(peak(&out) < peak(&dp), "measured: ZeRO-3 {} bytes, data parallel {}", peak(&out), peak(&dp));
+}
+
+/// "Doesn't fit → fits": under one budget per rank, data parallelism runs
+/// out of memory — one line, exit 2, every rank ended — and ZeRO-3 trains.
+#[test]
+fn a_budget_that_data_parallel_exceeds_and_zero_3_fits() {
+    let args = ["--preset", "small", "--batch-size", "2", "--seq-len", "64", "--micro-batches", "4", "--steps", "1", "--mem-budget", "150MB"];
+    let (o, _) = mpirun("step01-data-parallel", 4, &[&args[..], &["--precision", "bf16"]].concat(), "l04-fits-dp");
+    let (code, lines) = failure(&o);
+    assert_eq!(code, 2, "{lines:?}");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].starts_with("error: out of memory on rank 0: needed ") && lines[0].contains("budget 150.00 MB, live "), "{}", lines[0]);
+    let (o, out) = mpirun(PKG, 4, &[&args[..], &["--stage", "3"]].concat(), "l04-fits-z3");
+    ok_stdout(&o);
+    assert!(report(&out)["measured_peak_bytes"].as_array().unwrap().iter().all(|p| p.as_u64().unwrap() <= 150_000_000));
+}
+
+/// `just tally 7B 64`: the paper's numbers, exactly.
+#[test]
+fn zero_tally_scales_to_7b() {
+    let o = std::process::Command::new(binary("zero-tally")).args(["7B", "64"]).output().unwrap();
+    let stdout = ok_stdout(&o);
+    for row in ["│ data parallel │    (2 + 2 + K)·Ψ │                 16.000 │      112.00 │          no │", "│ ZeRO-3        │  (2 + 2 + K)·Ψ/N │                  0.250 │        1.75 │         yes │"] {
+        assert!(stdout.contains(row), "{stdout}");
+    }
+    insta::assert_snapshot!(stdout);
+    let o = std::process::Command::new(binary("zero-tally")).args(["7Q", "2"]).output().unwrap();
+    let (code, lines) = failure(&o);
+    assert_eq!((code, lines.len()), (2, 1), "{lines:?}");
+    assert!(lines[0].contains("`7Q` is not a parameter count"), "{}", lines[0]);
+}
