@@ -36,4 +36,21 @@ cp out/book/03-small-params/memory_timeline.svg "$gen/03-memory-timeline-small.s
 } > "$gen/03-prefetch.txt"
 echo "· 03-prefetch"
 cp out/book/01-two-ranks/loss.svg "$gen/01-loss.svg"
+run 04-stage3-four-ranks 4 step04-optimizer-state-shard
+run 04-stage1-four-ranks 4 step04-optimizer-state-shard --stage 1
+echo "· 04-tally"
+target/release/zero-tally 7B 64 > "$gen/04-tally-7b-64.txt"
+target/release/zero-tally 405B 1024 > "$gen/04-tally-405b-1024.txt"
+echo "· 04-fits"
+just fits 2>/dev/null > "$gen/04-fits.txt"
+# What bf16 costs on a CPU: candle widens bf16 matmuls to f32.
+{
+    for cmd in "step01-data-parallel --precision fp32" "step01-data-parallel --precision bf16" \
+               "step04-optimizer-state-shard --stage 3 --precision fp32" "step04-optimizer-state-shard --stage 3 --precision bf16"; do
+        echo "· ${cmd}  (2 ranks, 20 steps)"
+        # shellcheck disable=SC2086
+        mpirun -q -n 2 target/release/$cmd --steps 20 --log-every 100 --out out/book/04-cost | grep -E "^measured [0-9,]+ tok/s" | sed 's/^/    /'
+    done
+} > "$gen/04-precision-cost.txt"
+echo "· 04-precision-cost"
 echo "wrote $(ls "$gen" | wc -l) files under $gen"

@@ -33,6 +33,11 @@ pub fn out_dir(name: &str) -> PathBuf {
 /// Runs `package` on `ranks` MPI ranks with `args`; `--out` is set to a fresh folder.
 pub fn mpirun(package: &str, ranks: usize, args: &[&str], name: &str) -> (Output, PathBuf) {
     let out = out_dir(name);
+    // Each job gets its own TMPDIR: Open MPI creates its session directory
+    // there, and concurrent mpiruns sharing one race on creating it
+    // ("ORTE_ERROR_LOG: Error in file orte/util/session_dir.c").
+    let tmp = root().join("target").join("test-tmp").join(name);
+    std::fs::create_dir_all(&tmp).unwrap();
     let mut cmd = Command::new("mpirun");
     cmd.args(["-q", "--oversubscribe", "-n", &ranks.to_string()])
         .arg(binary(package))
@@ -41,7 +46,8 @@ pub fn mpirun(package: &str, ranks: usize, args: &[&str], name: &str) -> (Output
         .arg(&out)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("RAYON_NUM_THREADS", "1");
+        .env("RAYON_NUM_THREADS", "1")
+        .env("TMPDIR", &tmp);
     let o = cmd.output().expect("mpirun runs (install Open MPI: `just setup`)");
     (o, out)
 }

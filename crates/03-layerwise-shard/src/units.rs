@@ -90,6 +90,7 @@ impl FsdpUnit {
         Ok(self.gather_while(w, false, || ())?.1)
     }
 
+    // ANCHOR: gather
     /// The same all-gather, overlapped with `work` when `overlap` is set
     /// (MPI's non-blocking all-gather; see `World::all_gather_overlapped`).
     pub fn gather_while<R>(&self, w: &World, overlap: bool, work: impl FnOnce() -> R) -> candle_core::Result<(R, Tensor)> {
@@ -115,6 +116,7 @@ impl FsdpUnit {
             }
         }
     }
+    // ANCHOR_END: gather
 
     /// The fp32 master weights of the whole unit (for the final weights file).
     pub fn gather_master(&self, w: &World) -> Vec<f32> {

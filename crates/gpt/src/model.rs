@@ -165,10 +165,14 @@ impl Gpt {
     }
 }
 
-/// Mean cross-entropy of logits (B, T, V) against targets (B, T) u32,
-/// computed in fp32 whatever the compute dtype (a no-op cast under fp32).
+/// Mean cross-entropy of logits (B, T, V) against targets (B, T) u32.
+/// bf16 logits are widened to fp32 first: the loss is computed in fp32
+/// (f32 and f64 are left as they are).
 pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let logits = logits.to_dtype(DType::F32)?;
+    let logits = match logits.dtype() {
+        DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
+        _ => logits.clone(),
+    };
     let (b, t, v) = logits.dims3()?;
     Ok(candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, &targets.flatten_all()?)?)
 }
