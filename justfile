@@ -54,12 +54,15 @@ fits BUDGET="150MB": build
     #!/usr/bin/env bash
     set -uo pipefail
     args=(--preset small --batch-size 2 --seq-len 64 --micro-batches 4 --steps 3 --log-every 1 --mem-budget {{BUDGET}} --out out/fits)
+    mkdir -p out
     echo "small preset (10.7M params), bf16 compute, 4 ranks, --mem-budget {{BUDGET}} per rank"
     run() {
         local label=$1; shift
         printf '\n== %s\n' "$label"
-        out=$(mpirun -q --oversubscribe -n 4 "$@" "${args[@]}" 2>&1); code=$?
-        echo "$out" | grep -E '^(step |error)|peak live heap' || true
+        # stdout, then stderr: a fixed order (merged, they interleave at random).
+        out=$(mpirun -q --oversubscribe -n 4 "$@" "${args[@]}" 2>out/fits-stderr.txt < /dev/null); code=$?
+        echo "$out" | grep -E '^step |peak live heap' || true
+        grep -E '^error' out/fits-stderr.txt || true
         if [ $code -eq 0 ]; then echo "-> trained (exit 0)"; else echo "-> stopped: out of memory (exit $code)"; fi
         return $code
     }
@@ -75,8 +78,7 @@ fits BUDGET="150MB": build
 test: build
     cargo test --release --workspace --features step02-whole-model-shard/solutions,step03-layerwise-shard/solutions,step04-optimizer-state-shard/solutions
 
-# Show what lesson NN adds over the lesson before it: its idea file against
-# the previous lesson's, then main.rs, then the files only one of them has.
+# Show what lesson NN adds over the one before: its idea file against the previous one's, then main.rs.
 diff NN:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -101,3 +103,51 @@ book:
 # Regenerate the book's output listings and figures from real runs.
 book-outputs: build
     bash book/generate-outputs.sh
+
+# Check the book tells the truth: regenerate and compare every listing, run every command it shows.
+book-verify: build
+    bash book/verify.sh
+
+# Open every page in headless Chromium: no errors, every figure rendered; screenshots in out/book-render.
+book-render: setup-browser book
+    bash book/render-check.sh
+
+# Install what `just book-render` needs: Debian's chromium (headless) and python3.
+setup-browser:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    need=()
+    command -v chromium >/dev/null || command -v chromium-browser >/dev/null || need+=(chromium)
+    command -v python3 >/dev/null || need+=(python3)
+    if [ ${#need[@]} -gt 0 ]; then
+        sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+        echo "installing: ${need[*]}"
+        $sudo apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+
+# Check one exercise, e.g. `just exercise 03-2` (exercise 3.2), and say whether it passes.
+exercise ID:
+    #!/usr/bin/env bash
+    set -uo pipefail
+    lesson="{{ID}}"; k=${lesson#*-}; lesson=${lesson%-*}
+    dir=$(ls -d crates/"$lesson"-* 2>/dev/null | head -n1)
+    [ "$k" != "{{ID}}" ] || { echo "error: name an exercise as NN-K, e.g. \`just exercise 03-2\` for exercise 3.2" >&2; exit 2; }
+    [ -n "$dir" ] && [ -f "$dir/src/exercise_checks.rs" ] || { echo "error: no lesson $lesson with exercises: pick one of $(ls -d crates/[0-9]*/src/exercise_checks.rs | cut -d/ -f2 | cut -d- -f1 | tr '\n' ' ')" >&2; exit 2; }
+    n=$((10#$lesson))
+    test=$(grep -o "fn exercise_${n}_${k}_[a-z0-9_]*" "$dir/src/exercise_checks.rs" 2>/dev/null | head -n1 | sed 's/^fn //')
+    [ -n "$test" ] || { echo "error: lesson $lesson has no exercise $n.$k: see its chapter's exercise list" >&2; exit 2; }
+    pkg=step${dir#crates/}
+    echo "exercise $n.$k: cargo test --release -p $pkg $test"
+    if out=$(cargo test --release -q -p "$pkg" "$test" 2>&1); then
+        echo "✓ exercise $n.$k passes: your answer produces the committed snapshot."
+    else
+        echo "$out" | grep -vE '^\s+[0-9]+: |^note: |^stack backtrace' | tail -40
+        echo
+        if echo "$out" | grep -q "not yet implemented"; then
+            echo "✗ exercise $n.$k is not done yet: replace the todo!() under TODO(exercise) in $dir/src/exercises.rs."
+        else
+            echo "✗ exercise $n.$k does not pass yet: the snapshot diff above shows the committed answer (-) against yours (+)."
+        fi
+        exit 1
+    fi

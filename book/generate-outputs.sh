@@ -3,7 +3,8 @@
 # of the release binaries (`just book-outputs` builds them first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-gen=book/src/generated
+# GEN_DIR: where to write (book-verify regenerates into a scratch folder).
+gen=${GEN_DIR:-book/src/generated}
 mkdir -p "$gen"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RAYON_NUM_THREADS=1 FSDP_PROGRESS=plain
 

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# `just book-verify`: the book still tells the truth.
+#  1. Every output listing and figure under book/src/generated is produced
+#     again, by the same commands (book/generate-outputs.sh into a scratch
+#     folder), and compared with the committed one. Masked: throughput
+#     (tok/s), timings (ms), peak RSS (the kernel's count, not ours), and the
+#     prefetch listing's measured lines, which are nothing but timings.
+#  2. Every `$ just …` / `$ cargo …` command in the book's console blocks is
+#     run. It must succeed — except an exercise's check, which must fail
+#     until the exercise is solved (the starting point a learner meets),
+#     saying so, and pass with the answers (`--features <package>/solutions`).
+#  (Includes, anchors, images and internal links are checked by tests/book.rs.)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RAYON_NUM_THREADS=1 FSDP_PROGRESS=plain
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+fail=0
+
+mask() {
+    sed -E -e 's/[0-9][0-9,]* tok\/s/[tok\/s]/g' \
+           -e 's/[0-9]+\.[0-9]+ ms/[ms]/g' \
+           -e '/peak RSS/s/[0-9]+\.[0-9]+ MB/[MB]/g' "$1"
+}
+
+parts=${BOOK_VERIFY_PARTS:-listings commands}   # run one part alone while fixing it
+listings=0
+commands=0
+if [[ " $parts " == *" listings "* ]]; then
+echo "== 1. listings and figures, regenerated and compared"
+GEN_DIR="$scratch/generated" bash book/generate-outputs.sh > "$scratch/generate.log"
+for committed in book/src/generated/*; do
+    name=$(basename "$committed")
+    fresh="$scratch/generated/$name"
+    listings=$((listings + 1))
+    if [ ! -s "$fresh" ]; then
+        echo "✗ $name: not produced by book/generate-outputs.sh"; fail=1; continue
+    fi
+    if diff -u <(mask "$committed") <(mask "$fresh") > "$scratch/diff"; then
+        echo "✓ $name"
+    else
+        echo "✗ $name differs from a fresh run (committed: -, fresh: +):"; head -40 "$scratch/diff"; fail=1
+    fi
+done
+
+fi
+
+if [[ " $parts " == *" commands "* ]]; then
+echo "== 2. every command in the book"
+while IFS= read -r line; do
+    cmd=${line#\$ }
+    cmd=${cmd%%#*}                     # drop the trailing comment
+    cmd=$(echo "$cmd" | sed -E 's/[[:space:]]+$//')
+    commands=$((commands + 1))
+    log="$scratch/cmd-$commands.log"
+    if [[ "$cmd" == just\ exercise\ * ]]; then
+        if bash -c "$cmd" < /dev/null > "$log" 2>&1; then
+            echo "✗ $cmd: passes before the exercise is solved"; fail=1
+        elif grep -q "is not done yet" "$log"; then
+            echo "✓ $cmd (says the exercise is not done yet)"
+        else
+            echo "✗ $cmd: fails without saying why"; tail -5 "$log"; fail=1
+        fi
+    elif [[ "$cmd" == cargo\ test*exercise_* ]]; then
+        pkg=$(echo "$cmd" | sed -E 's/.*-p ([^ ]+).*/\1/')
+        if bash -c "$cmd" < /dev/null > "$log" 2>&1; then
+            echo "✗ $cmd: passes before the exercise is solved"; fail=1
+        elif ! grep -q "not yet implemented: exercise" "$log"; then
+            echo "✗ $cmd: fails, but not at the exercise's todo!()"; tail -5 "$log"; fail=1
+        elif ! bash -c "$cmd --features $pkg/solutions" < /dev/null >> "$log" 2>&1; then
+            echo "✗ $cmd --features $pkg/solutions: the answers fail"; tail -20 "$log"; fail=1
+        else
+            echo "✓ $cmd (fails at the todo!(), passes with the answers)"
+        fi
+    elif bash -c "$cmd" < /dev/null > "$log" 2>&1; then
+        echo "✓ $cmd"
+    else
+        echo "✗ $cmd failed:"; tail -20 "$log"; fail=1
+    fi
+done < <(awk '/^```console/{c=1; next} /^```/{c=0} c && /^\$ (just|cargo) /' book/src/*.md)
+fi
+
+echo
+echo "book-verify: $listings listings and figures compared, $commands commands run"
+# A check that found nothing to check has checked nothing.
+[[ " $parts " != *" listings "* ]] || [ "$listings" -gt 0 ] || { echo "✗ no listings found under book/src/generated"; fail=1; }
+[[ " $parts " != *" commands "* ]] || [ "$commands" -gt 0 ] || { echo "✗ no commands found in the book's console blocks"; fail=1; }
+[ $fail -eq 0 ] || { echo "book-verify: FAILED"; exit 1; }
+echo "book-verify: the book matches what the code does"
