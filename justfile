@@ -74,6 +74,18 @@ fits BUDGET="150MB": build
     # The demo succeeds when the budget separates them: data parallel fails, ZeRO-3 trains.
     [ $dp -ne 0 ] && [ $z3 -eq 0 ] || { echo "with {{BUDGET}} the budget does not separate data parallel from ZeRO-3"; exit 1; }
 
+# Measure every lesson (1, 2, 4 ranks; tiny and small): writes out/bench/bench.md, bench.json and plots.
+bench *ARGS: build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    target/release/fsdp-bench {{ARGS}}
+    # The full bench (no flags) is what the book's performance appendix shows.
+    if [ -z "{{ARGS}}" ]; then
+        cp out/bench/bench.md book/src/generated/bench.md
+        for f in out/bench/*.svg; do cp "$f" "book/src/generated/bench-$(basename "$f")"; done
+        echo "copied into book/src/generated/ for the performance appendix"
+    fi
+
 # Run every test: unit tests, then the lessons as real MPI jobs at several world sizes.
 test: build
     cargo test --release --workspace --features step02-whole-model-shard/solutions,step03-layerwise-shard/solutions,step04-optimizer-state-shard/solutions

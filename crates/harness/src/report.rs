@@ -170,6 +170,8 @@ impl<'a, 'w> Report<'a, 'w> {
             "final_loss": final_loss,
             "tokens_per_second": self.run.tokens_per_second(),
             "median_step_seconds": self.run.median_step_seconds(),
+            "step_seconds": self.run.step_seconds,
+            "expected_bytes_per_step": self.expected.iter().map(|(k, b)| (k.name().to_string(), json!(b))).collect::<serde_json::Map<_, _>>(),
             "weights_digest": digest,
             "tally": self.tally.rows.iter().map(|r| json!({"category": r.category, "elements": r.elems, "bytes": r.bytes(), "note": r.note})).collect::<Vec<_>>(),
             "tally_total_bytes": self.tally.total_bytes(),

@@ -1,0 +1,268 @@
+//! `fsdp-bench` (`just bench`): every lesson at 1, 2 and 4 ranks on the tiny
+//! and small presets, run as real MPI jobs; median step time after warm-up,
+//! compute against communication, bytes per collective against theory, the
+//! measured heap against the tally, peak RSS, and the model FLOPs achieved
+//! against this machine's own single-thread matmul peak, measured here.
+//! Writes bench.md, bench.json and two SVG plots under `--out`.
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use clap::Parser;
+use fsdp_harness::plot::{Chart, Series, svg};
+use serde_json::{Value, json};
+
+#[derive(Debug, Parser)]
+#[command(name = "fsdp-bench", about = "Speed, memory and bytes of every lesson, measured")]
+struct Args {
+    /// Output folder for bench.md, bench.json, the plots and each run's report.
+    #[arg(long, default_value = "out/bench")]
+    out: PathBuf,
+    /// Steps measured per run, after the warm-up.
+    #[arg(long, default_value_t = 30)]
+    steps: u64,
+    /// Warm-up steps, not measured.
+    #[arg(long, default_value_t = 3)]
+    warmup: u64,
+    /// World sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    ranks: Vec<usize>,
+    /// Presets.
+    #[arg(long, value_delimiter = ',', default_value = "tiny,small")]
+    presets: Vec<String>,
+}
+
+/// One lesson configuration: label, binary, extra flags.
+const LESSONS: [(&str, &str, &[&str]); 6] = [
+    ("01 data parallel", "step01-data-parallel", &[]),
+    ("02 whole-model shard", "step02-whole-model-shard", &["--no-check", "--no-plot"]),
+    ("03 layer-wise shard", "step03-layerwise-shard", &["--no-plot"]),
+    ("04 ZeRO-1", "step04-optimizer-state-shard", &["--stage", "1", "--precision", "fp32"]),
+    ("04 ZeRO-2", "step04-optimizer-state-shard", &["--stage", "2", "--precision", "fp32"]),
+    ("04 ZeRO-3", "step04-optimizer-state-shard", &["--stage", "3", "--precision", "fp32"]),
+];
+
+/// Micro-batch shape per preset: (B, T). The small preset gets a smaller
+/// batch so the whole bench stays within minutes on 2 cores.
+fn shape(preset: &str) -> (&'static str, &'static str) {
+    if preset == "tiny" { ("8", "64") } else { ("4", "64") }
+}
+
+struct Row {
+    lesson: &'static str,
+    preset: String,
+    ranks: usize,
+    ms_per_step: f64,
+    tokens_per_s: f64,
+    comm_ms: f64,
+    bytes: Vec<(String, u64, Option<u64>)>,
+    peak_heap: u64,
+    tally: u64,
+    rss: u64,
+    flops_per_step: f64,
+}
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(a: &Args) -> anyhow::Result<()> {
+    // SAFETY: no other thread exists yet.
+    unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    std::fs::create_dir_all(&a.out)?;
+    let peak = matmul_peak()?;
+    println!("single-thread f32 matmul peak of this machine (candle, 1024³, best of 5): {:.1} GFLOP/s\n", peak / 1e9);
+    let bin = std::env::current_exe()?.parent().map(Path::to_path_buf).unwrap_or_default();
+    let mut rows = vec![];
+    let started = Instant::now();
+    for preset in &a.presets {
+        for &n in &a.ranks {
+            for &(lesson, package, extra) in &LESSONS {
+                let name = format!("{}-{preset}-{n}", package.trim_start_matches("step"));
+                let name = format!("{name}{}", extra.iter().filter(|x| x.len() == 1).map(|s| format!("-s{s}")).collect::<String>());
+                let dir = a.out.join("runs").join(&name);
+                let (b, t) = shape(preset);
+                let steps = (a.warmup + a.steps).to_string();
+                let micro = (4.max(n)).to_string();
+                let mut cmd = Command::new("mpirun");
+                cmd.args(["-q", "--oversubscribe", "-n", &n.to_string()])
+                    .arg(bin.join(package))
+                    .args(["--preset", preset, "--batch-size", b, "--seq-len", t, "--micro-batches", &micro, "--steps", &steps, "--log-every", "100000"])
+                    .args(extra)
+                    .arg("--out")
+                    .arg(&dir)
+                    .env("FSDP_PROGRESS", "plain")
+                    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+                let t0 = Instant::now();
+                let o = cmd.output()?;
+                anyhow::ensure!(o.status.success(), "{name} failed: {}", String::from_utf8_lossy(&o.stderr));
+                let r: Value = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)?;
+                let row = row_of(lesson, preset, n, &r, a.warmup)?;
+                println!("{lesson:<22} {preset:<5} N={n}  {:>8.1} ms/step  {:>7.0} tok/s   ({:.0} s)", row.ms_per_step, row.tokens_per_s, t0.elapsed().as_secs_f64());
+                rows.push(row);
+            }
+        }
+    }
+    let md = table(&rows, peak);
+    std::fs::write(a.out.join("bench.md"), &md)?;
+    println!("\n{md}");
+    plots(&rows, &a.out)?;
+    let j = json!({
+        "matmul_peak_flops": peak,
+        "runs": rows.iter().map(|r| json!({"lesson": r.lesson, "preset": r.preset, "ranks": r.ranks, "ms_per_step": r.ms_per_step,
+            "tokens_per_second": r.tokens_per_s, "comm_ms_per_step": r.comm_ms, "peak_heap_bytes": r.peak_heap, "tally_bytes": r.tally,
+            "peak_rss_bytes": r.rss, "flops_per_step": r.flops_per_step})).collect::<Vec<_>>(),
+    });
+    std::fs::write(a.out.join("bench.json"), serde_json::to_string_pretty(&j)?)?;
+    println!("wrote {0}/bench.md, {0}/bench.json, {0}/tokens_per_second.svg, {0}/memory_per_rank.svg in {1:.0} s", a.out.display(), started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// This machine's single-thread f32 matmul rate through candle: the ceiling
+/// the lessons' compute is measured against.
+fn matmul_peak() -> anyhow::Result<f64> {
+    let n = 1024;
+    let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+    let _ = a.matmul(&b)?; // warm-up
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let c = a.matmul(&b)?;
+        let s = t0.elapsed().as_secs_f64();
+        drop(c);
+        best = best.max(2.0 * (n * n * n) as f64 / s);
+    }
+    Ok(best)
+}
+
+fn row_of(lesson: &'static str, preset: &str, ranks: usize, r: &Value, warmup: u64) -> anyhow::Result<Row> {
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let mut secs: Vec<f64> = r["step_seconds"].as_array().map(|a| a.iter().map(f).collect()).unwrap_or_default();
+    secs.drain(..(warmup as usize).min(secs.len()));
+    anyhow::ensure!(!secs.is_empty(), "no measured steps");
+    let mut sorted = secs.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let steps = f(&r["steps"]).max(1.0);
+    let tokens = f(&r["tokens_per_step"]);
+    let traffic = r["traffic"].as_object().cloned().unwrap_or_default();
+    let comm: f64 = traffic.iter().filter(|(k, _)| k.as_str() != "control").map(|(_, v)| f(&v["seconds"])).sum::<f64>() / steps;
+    let expected = r["expected_bytes_per_step"].as_object().cloned().unwrap_or_default();
+    let bytes = traffic
+        .iter()
+        .filter(|(k, v)| k.as_str() != "control" && f(&v["calls"]) > 0.0)
+        .map(|(k, v)| (k.clone(), (f(&v["bytes_sent"]) / steps) as u64, expected.get(k).and_then(Value::as_u64)))
+        .collect();
+    let max = |key: &str| r[key].as_array().map_or(0, |a| a.iter().filter_map(Value::as_u64).max().unwrap_or(0));
+    // nanoGPT's estimate: 6 FLOPs per parameter per token (forward 2, backward 4),
+    // plus attention's 12·L·T·C; position embeddings do no matmul.
+    let cfg = fsdp_gpt::GptConfig::preset(preset, 65)?;
+    let params = f(&r["params"]) - (cfg.block_size * cfg.n_embd) as f64;
+    let seq: f64 = shape(preset).1.parse().unwrap_or(64.0);
+    let flops_per_token = 6.0 * params + 12.0 * cfg.n_layer as f64 * seq * cfg.n_embd as f64;
+    Ok(Row {
+        lesson,
+        preset: preset.to_string(),
+        ranks,
+        ms_per_step: median * 1e3,
+        tokens_per_s: tokens / median,
+        comm_ms: comm * 1e3,
+        bytes,
+        peak_heap: max("measured_peak_bytes"),
+        tally: r["tally_total_bytes"].as_u64().unwrap_or(0),
+        rss: max("peak_rss_bytes"),
+        flops_per_step: flops_per_token * tokens,
+    })
+}
+
+fn table(rows: &[Row], peak: f64) -> String {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut s = format!(
+        "This machine's single-thread f32 matmul rate (candle, 1024³, best of 5): **{:.1} GFLOP/s**; one compute thread per rank; {cores} cores. \
+         \"% of matmul peak\": the model FLOPs of a step (6 per parameter per token + attention) per second, per busy core, against that rate.\n\n",
+        peak / 1e9
+    );
+    s.push_str(
+        "| lesson | preset | ranks | ms / step | tokens / s | comm ms / step | compute ms / step | bytes sent / step / rank (theory) | peak heap / rank (tally) | peak RSS / rank | % of matmul peak |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let bytes: Vec<String> = r
+            .bytes
+            .iter()
+            .map(|(k, b, e)| match e {
+                Some(e) if e == b => format!("{k} {} (= theory)", thousands(*b)),
+                Some(e) => format!("{k} {} (theory {})", thousands(*b), thousands(*e)),
+                None => format!("{k} {}", thousands(*b)),
+            })
+            .collect();
+        // Per core busy: N ranks share min(N, cores) cores, one thread each.
+        let achieved = r.flops_per_step / (r.ms_per_step / 1e3) / r.ranks.min(cores) as f64;
+        s.push_str(&format!(
+            "| {} | {} | {} | {:.1} | {} | {:.1} | {:.1} | {} | {:.1} MB ({:.1} MB) | {:.1} MiB | {:.0}% |\n",
+            r.lesson,
+            r.preset,
+            r.ranks,
+            r.ms_per_step,
+            thousands(r.tokens_per_s as u64),
+            r.comm_ms,
+            (r.ms_per_step - r.comm_ms).max(0.0),
+            if bytes.is_empty() { "—".to_string() } else { bytes.join("; ") },
+            r.peak_heap as f64 / 1e6,
+            r.tally as f64 / 1e6,
+            r.rss as f64 / (1 << 20) as f64,
+            100.0 * achieved / peak
+        ));
+    }
+    s
+}
+
+fn thousands(n: u64) -> String {
+    fsdp_harness::table::thousands(n)
+}
+
+fn plots(rows: &[Row], out: &Path) -> anyhow::Result<()> {
+    let colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+    let presets: Vec<String> = rows.iter().map(|r| r.preset.clone()).fold(vec![], |mut v, p| {
+        if !v.contains(&p) {
+            v.push(p);
+        }
+        v
+    });
+    let chart = |title: &str, y: &str, pick: &dyn Fn(&Row) -> f64, preset: &str| Chart {
+        title: format!("{title} · {preset}"),
+        x_label: "ranks".into(),
+        y_label: y.into(),
+        series: LESSONS
+            .iter()
+            .enumerate()
+            .map(|(i, (lesson, _, _))| Series {
+                name: lesson.to_string(),
+                color: colors[i],
+                points: rows.iter().filter(|r| r.lesson == *lesson && r.preset == preset).map(|r| (r.ranks as f64, pick(r))).collect(),
+                dashed: i >= 3,
+            })
+            .collect(),
+        y_range: None,
+    };
+    let tps: Vec<Chart> = presets.iter().map(|p| chart("tokens/s, all ranks", "tokens / s", &|r| r.tokens_per_s, p)).collect();
+    let mem: Vec<Chart> = presets.iter().map(|p| chart("peak heap per rank", "MB", &|r| r.peak_heap as f64 / 1e6, p)).collect();
+    std::fs::write(out.join("tokens_per_second.svg"), svg(&tps))?;
+    std::fs::write(out.join("memory_per_rank.svg"), svg(&mem))?;
+    Ok(())
+}
