@@ -107,6 +107,29 @@ pub fn overrun() -> Option<Overrun> {
     })
 }
 
+/// Asks glibc's malloc to keep freed memory for reuse. By default it returns
+/// every block above 128 KiB to the kernel at once (`munmap`), so each fresh
+/// candle tensor of that size costs page faults and zero-filled pages: a
+/// third of a step's time, measured on the tiny preset. Keeping blocks up to
+/// 32 MiB in the heap (and trimming only beyond 512 MiB free) takes lesson 01
+/// from 11,457 to 16,774 tokens/s at 2 ranks with the same peak RSS.
+/// Changes no value computed; a no-op off glibc.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        // SAFETY: mallopt only tunes malloc's parameters; called once at start.
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, 32 << 20);
+            mallopt(M_TRIM_THRESHOLD, 512 << 20);
+        }
+    }
+}
+
 /// The process's peak resident set size (VmHWM), in bytes, where Linux tells it.
 pub fn peak_rss_bytes() -> Option<usize> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

@@ -56,6 +56,7 @@ pub fn mark_setup_done() {
 /// says otherwise), joins MPI, runs `body`, and turns its error into one line
 /// and exit code 2.
 pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result<()>) -> ExitCode {
+    crate::alloc::keep_freed_memory();
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         // SAFETY: no other thread exists yet (MPI and candle start theirs later).
         unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
