@@ -10,6 +10,7 @@ browser=$(command -v chromium || command -v chromium-browser || command -v googl
 [ -f book/build/index.html ] || { echo "error: book/build is empty: run \`just book\` first" >&2; exit 2; }
 shots=out/book-render
 mkdir -p "$shots"
+rm -f "$shots"/*.png   # a screenshot left from an earlier run must not pass for a new one
 profile=$(mktemp -d)
 # Served over HTTP, as readers get it (on file:// mdBook's own fetches fail).
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -45,13 +46,13 @@ for f in r["figures"]:
     ok = f["width"] > 0 and f["height"] > 0 and f["natural"] > 0
     seen[f["src"]] = seen.get(f["src"], False) or ok
 bad += [f"figure {src} does not render" for src, ok in seen.items() if not ok]
-print(("✗ " + "; ".join(bad)) if bad else f"✓ {len(seen)} figure(s) rendered, no errors")
+print(("FAIL " + "; ".join(bad)) if bad else f"OK {len(seen)} figure(s) rendered, no errors")
 PY
 )
     timeout 60 "$browser" "${flags[@]}" --window-size=1280,900 --screenshot="$PWD/$shots/$name.png" "$url" >/dev/null 2>&1 || true
-    [ -s "$shots/$name.png" ] || { verdict="✗ no screenshot"; }
-    echo "${verdict:0:1} $name: ${verdict:2} → $shots/$name.png"
-    [[ "$verdict" == ✓* ]] || fail=1
+    [ -s "$shots/$name.png" ] || verdict="FAIL no screenshot"
+    status=${verdict%% *}; message=${verdict#* }
+    if [ "$status" = OK ]; then echo "✓ $name: $message → $shots/$name.png"; else echo "✗ $name: $message"; fail=1; fi
 done
 echo "book-render: $pages pages checked"
 [ $fail -eq 0 ] || { echo "book-render: FAILED"; exit 1; }

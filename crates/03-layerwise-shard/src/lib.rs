@@ -2,7 +2,7 @@
 //!
 //! [`LayerwiseShard`] walks the model unit by unit: all-gather, compute,
 //! free; in backward re-gather, recompute, backpropagate, reduce-scatter.
-//! [`units`] holds the units themselves (lesson 04's stage 3 reuses them)
+//! [`units`] holds the units themselves (all of lesson 04's stages reuse them)
 //! and [`tally`] the bytes they cost.
 //!
 //! ```no_run

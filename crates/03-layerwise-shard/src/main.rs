@@ -13,7 +13,7 @@ mod exercise_checks;
 
 use std::process::ExitCode;
 
-use anyhow::bail;
+use anyhow::anyhow;
 use clap::Parser;
 use fsdp_comm::Collective;
 use fsdp_harness::plot::Chart;
@@ -37,8 +37,9 @@ struct Args {
     /// fewer and larger gathers, a higher unsharded peak.
     #[arg(long, default_value_t = 1, value_name = "G")]
     blocks_per_unit: usize,
-    /// Run lesson 02 (bitwise lesson 01) beside, and print the max
-    /// |layer-wise − whole-model| of the weights every step.
+    /// Run lesson 02 (bitwise lesson 01) beside, compare the weights every
+    /// step (report.json keeps each step's max |layer-wise − whole-model|;
+    /// the log lines print it).
     #[arg(long)]
     check: bool,
     /// Skip the memory timeline (by default <out>/memory_timeline.svg: one
@@ -54,8 +55,8 @@ fn main() -> ExitCode {
         let layers = s.cfg.n_layer;
         let g = args.blocks_per_unit;
         fsdp_harness::edge::agree(world, match g {
-            0 => bail!("--blocks-per-unit 0: a unit needs at least one block (pass 1 to {layers})"),
-            g if g > layers => bail!("--blocks-per-unit {g} exceeds the {} preset's {layers} blocks: pass 1 to {layers}", s.args.preset),
+            0 => Err(anyhow!("--blocks-per-unit 0: a unit needs at least one block (pass 1 to {layers})")),
+            g if g > layers => Err(anyhow!("--blocks-per-unit {g} exceeds the {} preset's {layers} blocks: pass 1 to {layers}", s.args.preset)),
             _ => Ok(()),
         })?;
         let init = s.table.init_flat(s.args.seed);

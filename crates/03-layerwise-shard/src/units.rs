@@ -1,6 +1,6 @@
 //! FSDP units: which parameters are gathered, computed and freed together,
 //! and each unit's shard of the weights, of their gradient and of AdamW's
-//! `m` and `v`. Lesson 04's stage 3 reuses them.
+//! `m` and `v`. Lesson 04's three ZeRO stages reuse them.
 //!
 //! Unit 0 is the **root**: `wte`, `wpe` and the final LayerNorm. The tied
 //! `wte` is both the embedding and the lm_head, so it must live in one unit

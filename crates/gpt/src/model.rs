@@ -55,22 +55,6 @@ impl Gpt {
             .collect()
     }
 
-    /// `Var`s for the parameter entries listed in `params` (any set, e.g. a
-    /// unit that joins the embedding and the final norm), reading from `flat`,
-    /// which holds exactly those parameters back to back in that order.
-    pub fn vars_for(&self, table: &ParamTable, params: &[usize], flat: &[f32]) -> Result<Vec<Var>> {
-        let mut at = 0;
-        params
-            .iter()
-            .map(|&i| {
-                let s = &table.specs[i];
-                let v = Var::from_slice(&flat[at..at + s.numel()], s.shape.as_slice(), &Device::Cpu)?;
-                at += s.numel();
-                Ok(v)
-            })
-            .collect()
-    }
-
     /// `Var`s for the entries `params`, cut from `full`, a 1-D tensor holding
     /// exactly those parameters back to back (any dtype: the compute copy).
     pub fn vars_from_tensor(&self, table: &ParamTable, params: &[usize], full: &Tensor) -> Result<Vec<Var>> {

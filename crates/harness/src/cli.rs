@@ -81,7 +81,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         _ => return Err(format!("`{s}` is not a size: use a number with B, KB, MB, GB, KiB, MiB or GiB, e.g. 120MB")),
     };
     match num.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 && x * scale < 1.8e19 => Ok((x * scale).round() as u64),
+        Ok(x) if x.is_finite() && x * scale >= 1.0 && x * scale < 1.8e19 => Ok((x * scale).round() as u64),
         _ => Err(format!("`{s}` is not a size: use a positive number with B, KB, MB, GB, KiB, MiB or GiB, e.g. 120MB")),
     }
 }
@@ -100,6 +100,7 @@ mod tests {
         assert!(parse_size("12 parsecs").is_err());
         assert!(parse_size("-5MB").is_err());
         assert!(parse_size("MB").is_err());
+        assert!(parse_size("0.4B").is_err(), "a budget rounds to at least one byte");
     }
 }
 

@@ -38,10 +38,6 @@ impl MemoryTimeline {
         self.recording = on;
     }
 
-    pub fn is_recording(&self) -> bool {
-        self.recording
-    }
-
     /// Records `label` as just done: the live heap now, the peak since the previous mark.
     pub fn mark(&mut self, label: impl Into<String>) {
         if self.recording {
