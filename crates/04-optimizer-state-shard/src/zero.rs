@@ -63,26 +63,22 @@ pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
     let share = format!("1/{n} of every unit");
     t.add("fp32 master shard", sh.shards, 4, &share)
         .add("AdamW m shard", sh.shards, 4, &share)
-        .add("AdamW v shard", sh.shards, 4, &share);
-    let (unit, whole) = ("largest unit, freed after use", "whole model");
+        .add("AdamW v shard", sh.shards, 4, &share)
+        .add("grad shard (fp32)", sh.shards, 4, &share);
+    // Where the compute copy lives: resident (stages 1, 2) or gathered per unit (3).
+    match stage {
+        1 | 2 => t.add(&format!("compute copy, resident ({cdt})"), sh.padded, c, "whole model, all-gathered after each update"),
+        _ => t.add(&format!("gathered unit ({cdt})"), sh.largest_padded, c, "all-gather output, freed once copied"),
+    };
+    // What backward holds: the whole model's (stage 1) or one unit's (2, 3).
     match stage {
         1 => t
-            .add("grad shard (fp32)", sh.shards, 4, &share)
-            .add(&format!("compute copy, resident ({cdt})"), sh.padded, c, "whole model, all-gathered after each update")
-            .add(&format!("compute copy as candle Vars ({cdt})"), sh.numel, c, whole)
-            .add(&format!("grads of one micro-batch ({cdt})"), sh.numel, c, whole)
+            .add(&format!("compute copy as candle Vars ({cdt})"), sh.numel, c, "whole model")
+            .add(&format!("grads of one micro-batch ({cdt})"), sh.numel, c, "whole model")
             .add("grad sums (fp32)", sh.padded, 4, "whole model, until reduce-scattered"),
-        2 => t
-            .add("grad shard (fp32)", sh.shards, 4, &share)
-            .add(&format!("compute copy, resident ({cdt})"), sh.padded, c, "whole model, all-gathered after each update")
-            .add(&format!("unit as candle Vars ({cdt})"), sh.largest, c, unit)
-            .add(&format!("unit grads of one micro-batch ({cdt})"), sh.largest, c, unit)
-            .add("unit grad sum (fp32)", sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
         _ => t
-            .add("grad shard (fp32)", sh.shards, 4, &share)
-            .add(&format!("gathered unit ({cdt})"), sh.largest_padded, c, "all-gather output, freed once copied")
-            .add(&format!("unit as candle Vars ({cdt})"), sh.largest, c, unit)
-            .add(&format!("unit grads of one micro-batch ({cdt})"), sh.largest, c, unit)
+            .add(&format!("unit as candle Vars ({cdt})"), sh.largest, c, "largest unit, freed after use")
+            .add(&format!("unit grads of one micro-batch ({cdt})"), sh.largest, c, "largest unit, freed after use")
             .add("unit grad sum (fp32)", sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
     };
     if stage == 3 && sh.prefetch {
