@@ -11,11 +11,14 @@
 //!    so the replicas stay identical — which we check, bit for bit.
 //!
 //! Later lessons delete the redundant copies and must produce these bits.
+use std::borrow::Cow;
+
 use anyhow::bail;
 use fsdp_comm::{ShardLayout, sum_in_rank_order};
 use fsdp_gpt::{AdamW, Precision};
 use fsdp_gpt::model::add_grads;
 use fsdp_gpt::params::digest_f32;
+use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
 use fsdp_harness::{MemoryTally, Session};
 
 /// How the gradient is all-reduced.
@@ -31,8 +34,9 @@ pub enum Reduce {
 pub struct DataParallel {
     /// The full fp32 parameters, identical on every rank.
     pub params: Vec<f32>,
-    /// The full gradient, padded to a multiple of N for the all-reduce.
-    grads: Vec<f32>,
+    /// The full gradient sums, padded to a multiple of N for the all-reduce:
+    /// one per sum group of mine (`--sum-groups`; by default one).
+    sums: Vec<Vec<f32>>,
     /// This rank's shard of the gradient inside the ordered all-reduce.
     grad_shard: Vec<f32>,
     opt: AdamW,
@@ -45,11 +49,15 @@ impl DataParallel {
     pub fn new(s: &Session, reduce: Reduce, precision: Precision) -> Self {
         let numel = s.table.numel();
         let layout = ShardLayout::new(numel, s.world.size());
+        let mut opt = AdamW::new(s.adamw, numel);
+        if let Some(r) = &*s.resumed.borrow() {
+            (opt.m, opt.v, opt.t) = (r.m.clone(), r.v.clone(), r.t);
+        }
         Self {
-            params: s.table.init_flat(s.args.seed), // same seed, same bits, on every rank
-            grads: vec![0.0; layout.padded],
+            params: s.start_weights(), // same seed (or checkpoint), same bits, on every rank
+            sums: s.sum_buffers(layout.padded),
             grad_shard: vec![0.0; layout.shard_len],
-            opt: AdamW::new(s.adamw, numel),
+            opt,
             reduce,
             precision,
         }
@@ -61,50 +69,53 @@ impl DataParallel {
         let numel = s.table.numel();
         // 1. forward/backward on my micro-batches, gradients summed in order
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
-        self.grads.fill(0.0);
+        self.sums.iter_mut().for_each(|sum| sum.fill(0.0));
         let mut loss_sum = 0.0;
-        for k in s.my_micro_batches() {
+        for (i, k) in s.my_micro_batches().enumerate() {
             let (loss, grads) = s.forward_backward(&vars, step, k)?;
-            add_grads(&grads, &vars, &mut self.grads[..numel])?;
+            add_grads(&grads, &vars, &mut self.sums[s.sum_group(i)][..numel])?;
             loss_sum += loss as f64;
         }
         drop(vars);
 
-        // 2. all-reduce: the sum over ranks, then the mean over micro-batches
+        // 2. all-reduce: the sum over ranks (and sum groups), then the mean
         match self.reduce {
-            Reduce::Ordered => s.world.all_reduce(&mut self.grads, &mut self.grad_shard),
-            Reduce::Native => s.world.all_reduce_native(&mut self.grads),
+            Reduce::Ordered => s.world.all_reduce_groups(&mut self.sums, &mut self.grad_shard),
+            Reduce::Native => s.world.all_reduce_native(&mut self.sums[0]),
         }
-        let m = s.sampler.micro_batches;
-        scale(&mut self.grads[..numel], m);
+        let (m, grads) = (s.sampler.micro_batches, &mut self.sums[0][..numel]);
+        scale(grads, m);
 
         // 3. update: the same AdamW step on every rank
-        self.opt.step(&mut self.params, &self.grads[..numel]);
+        self.opt.step(&mut self.params, grads);
         Ok((s.world.sum_f64(&[loss_sum])[0] / m as f64) as f32)
     }
     // ANCHOR_END: step
 
     // ANCHOR: accumulate
-    /// The same step in one process: the micro-batches of `ranks` simulated
-    /// ranks, each group summed as that rank would, the groups then summed in
-    /// rank order — the additions of N-rank data parallelism, one by one.
-    pub fn accumulate_step(&mut self, s: &Session, step: u64, ranks: usize) -> anyhow::Result<f32> {
+    /// The same step in one process: the micro-batches of G groups (one per
+    /// simulated rank, `--accumulate N`), each group summed as its rank
+    /// would, the group sums then summed in order — the additions of N-rank
+    /// data parallelism, one by one.
+    pub fn accumulate_step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
         let numel = s.table.numel();
+        let groups = s.sum_groups.groups;
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
-        let mut per_rank = vec![vec![0.0f32; numel]; ranks];
+        let mut per_group = vec![vec![0.0f32; numel]; groups];
         let mut loss_sum = 0.0;
-        for (r, sum) in per_rank.iter_mut().enumerate() {
-            for k in s.sampler.share(r, ranks) {
+        for (g, sum) in per_group.iter_mut().enumerate() {
+            for k in s.sampler.share(g, groups) {
                 let (loss, grads) = s.forward_backward(&vars, step, k)?;
                 add_grads(&grads, &vars, sum)?;
                 loss_sum += loss as f64;
             }
         }
         drop(vars);
-        sum_in_rank_order(per_rank.iter().map(Vec::as_slice), &mut self.grads[..numel]);
+        let grads = &mut self.sums[0][..numel];
+        sum_in_rank_order(per_group.iter().map(Vec::as_slice), grads);
         let m = s.sampler.micro_batches;
-        scale(&mut self.grads[..numel], m);
-        self.opt.step(&mut self.params, &self.grads[..numel]);
+        scale(grads, m);
+        self.opt.step(&mut self.params, grads);
         Ok((loss_sum / m as f64) as f32)
     }
     // ANCHOR_END: accumulate
@@ -120,6 +131,14 @@ impl DataParallel {
         Ok(())
     }
 
+    /// My shard of the replicated state, for a checkpoint: every rank holds
+    /// everything, so each writes only its 1/N (the files are those of lesson 02).
+    pub fn checkpoint_pieces(&self, s: &Session) -> Vec<ShardPiece<'static>> {
+        let layout = ShardLayout::new(s.table.numel(), s.world.size());
+        let cut = |full: &[f32]| Cow::Owned(cut_shard(full, layout, s.world.rank()));
+        vec![ShardPiece::flat(&s.table, cut(&self.params), cut(&self.opt.m), cut(&self.opt.v))]
+    }
+
     /// Bytes this rank holds, by category, from shapes.
     pub fn tally(&self, s: &Session, simulated_ranks: Option<usize>) -> MemoryTally {
         let numel = s.table.numel();
@@ -128,11 +147,13 @@ impl DataParallel {
         t.add("params (fp32)", numel, 4, "full copy on every rank")
             .add(&format!("params as candle Vars ({})", self.precision), numel, self.precision.bytes(), "compute copy, rebuilt each step")
             .add(&format!("grads of one micro-batch ({})", self.precision), numel, self.precision.bytes(), "candle's GradStore")
-            .add("grads (flat sum)", self.grads.len(), 4, "full, padded to a multiple of N")
+            .add("grads (flat sum)", self.sums.len() * self.grad_shard.len() * n, 4, &sums_note(self.sums.len()))
             .add("AdamW m", numel, 4, "full")
             .add("AdamW v", numel, 4, "full");
         if n > 1 && self.reduce == Reduce::Ordered {
-            t.add("comm buffers", self.grads.len() + self.grad_shard.len(), 4, "all-to-all receive + own shard");
+            let (k, padded) = (self.sums.len(), self.grad_shard.len() * n);
+            let send = if k > 1 { k * padded } else { 0 }; // groups are packed per destination
+            t.add("comm buffers", k * padded + send + self.grad_shard.len(), 4, "all-to-all receive + own shard");
         }
         if let Some(r) = simulated_ranks {
             t.add("per-rank gradient sums", r * numel, 4, "one per simulated rank");
@@ -145,4 +166,11 @@ impl DataParallel {
 pub fn scale(grads: &mut [f32], micro_batches: usize) {
     let inv = 1.0 / micro_batches as f32;
     grads.iter_mut().for_each(|g| *g *= inv);
+}
+
+fn sums_note(groups: usize) -> String {
+    match groups {
+        1 => "full, padded to a multiple of N".into(),
+        k => format!("full, padded; one per sum group of mine ({k})"),
+    }
 }

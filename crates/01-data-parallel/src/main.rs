@@ -49,8 +49,15 @@ fn main() -> ExitCode {
             }
             Ok(())
         };
-        let s = Session::new(world, lesson, args.train.clone())?;
+        let mut train = args.train.clone();
+        if train.sum_groups.is_none() {
+            train.sum_groups = args.accumulate; // N simulated ranks sum in N groups
+        }
         fsdp_harness::edge::agree(world, check(args.train.micro_batches))?;
+        let s = Session::with_flags(world, lesson, train, &[("--precision", args.precision.to_string()), ("--reduce", format!("{:?}", args.reduce).to_lowercase())])?;
+        if args.reduce == Reduce::Native && s.sum_groups.per_rank() > 1 {
+            fsdp_harness::edge::agree(world, Err::<(), _>(anyhow::anyhow!("--reduce native sums one buffer per rank: drop --sum-groups or use --reduce ordered")))?;
+        }
         let mut extra = vec![("all-reduce", format!("{:?}", args.reduce).to_lowercase())];
         if args.precision != Precision::Fp32 {
             extra.push(("precision", format!("{}: compute copy and grads; fp32 master, sums, AdamW", args.precision)));
@@ -62,15 +69,19 @@ fn main() -> ExitCode {
         fsdp_harness::edge::mark_setup_done();
 
         let mut dp = DataParallel::new(&s, args.reduce, args.precision);
+        s.forget_resumed();
         let mut run = Run::start(&s);
         let mut checks = 0;
-        for step in 1..=s.args.steps {
+        for step in s.steps() {
             let loss = match accumulate {
-                Some(n) => dp.accumulate_step(&s, step, n)?,
+                Some(_) => dp.accumulate_step(&s, step)?,
                 None => dp.step(&s, step)?,
             };
             run.step_done(step, loss);
             s.check_memory_budget(step)?;
+            if s.checkpoint_due(step) {
+                s.save_checkpoint(step, &dp.checkpoint_pieces(&s))?;
+            }
             if s.args.check_every > 0 && (step % s.args.check_every == 0 || step == s.args.steps) {
                 dp.check_replicas(&s, step)?;
                 checks += 1;
@@ -80,9 +91,10 @@ fn main() -> ExitCode {
         print0!("replica check: {checks} checks, every rank's weights bitwise identical\n");
 
         let n = world.size() as u64;
-        let bytes = 4 * s.table.numel() as u64;
+        let shard = 4 * s.table.numel().div_ceil(world.size()) as u64;
+        let k = s.sum_groups.per_rank() as u64; // sum groups of mine: k reduce-scatters' bytes, one all-gather's
         let mut report = Report::new(&s, &run, dp.tally(&s, accumulate));
-        report.expect_traffic(Collective::AllReduce, 2 * (n - 1) * bytes / n);
+        report.expect_traffic(Collective::AllReduce, (k + 1) * (n - 1) * shard);
         report.finish(Some(&dp.params))
     })
 }

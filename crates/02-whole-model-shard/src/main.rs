@@ -44,12 +44,16 @@ fn main() -> ExitCode {
         fsdp_harness::edge::mark_setup_done();
 
         let mut fsdp = WholeModelShard::new(&s, check);
+        s.forget_resumed();
         let mut run = Run::start(&s);
         let (mut ref_losses, mut divergence) = (vec![], vec![]);
-        for step in 1..=s.args.steps {
+        for step in s.steps() {
             let r = fsdp.step(&s, step, &mut MemoryTimeline::off())?;
             run.step_done(step, r.loss);
             s.check_memory_budget(step)?;
+            if s.checkpoint_due(step) {
+                s.save_checkpoint(step, &fsdp.checkpoint_pieces(&s))?;
+            }
             if let (Some(l), Some(d)) = (r.reference_loss, r.divergence) {
                 ref_losses.push(l);
                 divergence.push(d);
@@ -77,14 +81,14 @@ fn main() -> ExitCode {
             if check { format!("{} over {} steps", sci(max_div as f64), divergence.len()) } else { "not checked (--no-check)".into() },
         ]);
 
-        let bytes = 4 * l.numel as u64;
-        let nn = n as u64;
+        let (shard, nn) = (4 * l.shard_len as u64, n as u64);
+        let k = s.sum_groups.per_rank() as u64; // sum groups of mine: k reduce-scatters' bytes, one all-gather's
         let mut report = Report::new(&s, &run, fsdp.tally());
         report
             .traffic(training_traffic)
             .table(t.render())
-            .expect_traffic(Collective::AllGather, (nn - 1) * bytes / nn)
-            .expect_traffic(Collective::AllReduce, 2 * (nn - 1) * bytes / nn)
+            .expect_traffic(Collective::AllGather, (nn - 1) * shard)
+            .expect_traffic(Collective::AllReduce, (k + 1) * (nn - 1) * shard)
             .json("max_divergence", serde_json::json!(if check { Some(max_div) } else { None }))
             .json("divergence", serde_json::json!(divergence))
             .json("reference_losses", serde_json::json!(ref_losses))

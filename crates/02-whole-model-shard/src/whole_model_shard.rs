@@ -11,9 +11,12 @@
 //! AdamW is elementwise, so the owner of an element cannot change its new
 //! value: the weights are lesson 01's, bit for bit. `--check` proves it every
 //! step against a fully replicated reference fed the same gradient.
+use std::borrow::Cow;
+
 use fsdp_comm::{ShardLayout, World};
 use fsdp_gpt::AdamW;
 use fsdp_gpt::model::add_grads;
+use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
 use fsdp_harness::{MemoryTally, MemoryTimeline, Session};
 
 /// One rank's share of the training state.
@@ -25,8 +28,9 @@ pub struct WholeModelShard {
     opt: AdamW,
     /// The all-gather's output: the full, padded parameter vector.
     gathered: Vec<f32>,
-    /// The full gradient, padded, and my shard of it inside the all-reduce.
-    grads: Vec<f32>,
+    /// The full gradient sum, padded (one per sum group of mine, by default
+    /// one), and my shard of it inside the all-reduce.
+    sums: Vec<Vec<f32>>,
     grad_shard: Vec<f32>,
     /// `--check`: a fully replicated copy (lesson 01's state) fed the same gradient.
     reference: Option<Reference>,
@@ -51,21 +55,24 @@ impl WholeModelShard {
     pub fn new(s: &Session, check: bool) -> Self {
         let (rank, n) = (s.world.rank(), s.world.size());
         let layout = ShardLayout::new(s.table.numel(), n);
-        // Every rank builds the same initial vector and keeps only its slice:
-        // no communication needed to start.
-        let mut full = s.table.init_flat(s.args.seed);
-        full.resize(layout.padded, 0.0); // padding: zeros that no parameter uses
-        let master = full[layout.shard(rank).range()].to_vec();
-        let reference = check.then(|| Reference {
-            params: full[..layout.numel].to_vec(),
-            opt: AdamW::new(s.adamw, layout.numel),
-        });
+        // Every rank builds the same initial vector (or reads the same
+        // checkpoint) and keeps only its slice: no communication needed to start.
+        let full = s.start_weights();
+        let master = cut_shard(&full, layout, rank); // padding: zeros that no parameter uses
+        let mut opt = AdamW::new(s.adamw, layout.shard_len);
+        let mut reference = check.then(|| Reference { params: full, opt: AdamW::new(s.adamw, layout.numel) });
+        if let Some(r) = &*s.resumed.borrow() {
+            (opt.m, opt.v, opt.t) = (cut_shard(&r.m, layout, rank), cut_shard(&r.v, layout, rank), r.t);
+            if let Some(re) = reference.as_mut() {
+                (re.opt.m, re.opt.v, re.opt.t) = (r.m.clone(), r.v.clone(), r.t);
+            }
+        }
         Self {
             layout,
             master,
-            opt: AdamW::new(s.adamw, layout.shard_len),
+            opt,
             gathered: vec![0.0; layout.padded],
-            grads: vec![0.0; layout.padded],
+            sums: s.sum_buffers(layout.padded),
             grad_shard: vec![0.0; layout.shard_len],
             reference,
         }
@@ -82,11 +89,11 @@ impl WholeModelShard {
         tl.mark("all-gather the whole model");
 
         // 2. forward/backward on my micro-batches
-        self.grads.fill(0.0);
+        self.sums.iter_mut().for_each(|sum| sum.fill(0.0));
         let mut loss_sum = 0.0;
-        for k in s.my_micro_batches() {
+        for (i, k) in s.my_micro_batches().enumerate() {
             let (loss, grads) = s.forward_backward(&vars, step, k)?;
-            add_grads(&grads, &vars, &mut self.grads[..numel])?;
+            add_grads(&grads, &vars, &mut self.sums[s.sum_group(i)][..numel])?;
             loss_sum += loss as f64;
             tl.mark(format!("forward+backward, micro-batch {k}"));
         }
@@ -94,13 +101,14 @@ impl WholeModelShard {
         tl.mark("drop the full copy");
 
         // 3. all-reduce: sum over ranks in rank order, then the mean
-        w.all_reduce(&mut self.grads, &mut self.grad_shard);
+        w.all_reduce_groups(&mut self.sums, &mut self.grad_shard);
         let inv = 1.0 / s.sampler.micro_batches as f32;
-        self.grads.iter_mut().for_each(|g| *g *= inv);
+        let grads = &mut self.sums[0];
+        grads.iter_mut().for_each(|g| *g *= inv);
         tl.mark("all-reduce the gradient");
 
         // 4. update: AdamW on my shard only
-        self.opt.step(&mut self.master, &self.grads[mine.clone()]);
+        self.opt.step(&mut self.master, &grads[mine.clone()]);
         tl.mark("AdamW on my shard");
         // ANCHOR_END: step
 
@@ -110,7 +118,7 @@ impl WholeModelShard {
             None => (None, None),
             Some(r) => {
                 let ref_loss = reference_loss(s, &r.params, step)?;
-                r.opt.step(&mut r.params, &self.grads[..numel]);
+                r.opt.step(&mut r.params, &self.sums[0][..numel]);
                 let local = max_abs_diff(&self.master, &r.params, mine.start, numel);
                 (Some(ref_loss), Some(max_over_ranks(w, local)))
             }
@@ -122,6 +130,11 @@ impl WholeModelShard {
     pub fn gather_full(&mut self, w: &World) -> &[f32] {
         w.all_gather(&self.master, &mut self.gathered);
         &self.gathered[..self.layout.numel]
+    }
+
+    /// My shard of the master weights, `m` and `v`, for a checkpoint.
+    pub fn checkpoint_pieces(&self, s: &Session) -> Vec<ShardPiece<'_>> {
+        vec![ShardPiece::flat(&s.table, Cow::Borrowed(&self.master), Cow::Borrowed(&self.opt.m), Cow::Borrowed(&self.opt.v))]
     }
 
     // ANCHOR: tally
@@ -137,9 +150,10 @@ impl WholeModelShard {
             .add("gathered full params", l.padded, 4, "all-gather output, full copy")
             .add("params as candle Vars", numel, 4, "compute copy, full")
             .add("grads of one micro-batch", numel, 4, "candle's GradStore, full")
-            .add("grads (flat sum)", l.padded, 4, "full, all-reduced");
+            .add("grads (flat sum)", self.sums.len() * l.padded, 4, "full, all-reduced");
         if n > 1 {
-            t.add("comm buffers", l.padded + l.shard_len, 4, "all-to-all receive + own shard");
+            let k = self.sums.len(); // sum groups of mine: packed per destination when more than one
+            t.add("comm buffers", k * l.padded + if k > 1 { k * l.padded } else { 0 } + l.shard_len, 4, "all-to-all receive + own shard");
         }
         if self.reference.is_some() {
             t.add("--check reference", 3 * numel, 4, "replicated params, m, v");

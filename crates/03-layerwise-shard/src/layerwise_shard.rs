@@ -93,8 +93,9 @@ struct Carry {
     upstream: Vec<Tensor>,
     /// The lm_head's part of the tied `wte` gradient, held until the embedding's part arrives.
     head_wte: Vec<Tensor>,
-    /// The root unit's gradient sum, from the head to the end of backward.
-    root_grads: Vec<f32>,
+    /// The root unit's gradient sums (one per sum group of mine), from the
+    /// head to the end of backward.
+    root_grads: Vec<Vec<f32>>,
     loss_sum: f64,
 }
 
@@ -112,7 +113,7 @@ impl LayerwiseShard {
         let w = s.world;
         let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
         let root_len = self.units[0].layout.padded;
-        let mut c = Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], root_grads: vec![0.0; root_len], loss_sum: 0.0 };
+        let mut c = Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], root_grads: s.sum_buffers(root_len), loss_sum: 0.0 };
         let plan = schedule(self.units.len() - 1);
         let mut prefetched: Option<Tensor> = None;
         for (at, &phase) in plan.iter().enumerate() {
@@ -146,8 +147,8 @@ impl LayerwiseShard {
 
             // 3. free the unit; after its backward, reduce-scatter its gradient
             drop(params);
-            if let Some(sum) = grad_sum? {
-                self.units[phase.unit()].reduce_scatter(w, &sum);
+            if let Some(sums) = grad_sum? {
+                self.units[phase.unit()].reduce_scatter(w, &sums);
                 tl.mark(format!("reduce-scatter {}, free it", self.units[phase.unit()].name));
             }
         }
@@ -160,6 +161,11 @@ impl LayerwiseShard {
         Ok((w.sum_f64(&[c.loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
     }
     // ANCHOR_END: step
+
+    /// My shard of every unit, for a checkpoint.
+    pub fn checkpoint_pieces(&self) -> Vec<fsdp_harness::checkpoint::ShardPiece<'_>> {
+        self.units.iter().map(FsdpUnit::checkpoint_piece).collect()
+    }
 
     /// The full weights in the model's flat order, gathered unit by unit
     /// (every rank calls; all get them).
@@ -174,8 +180,8 @@ impl LayerwiseShard {
 
 // ANCHOR: phases
 /// One schedule entry's compute, on the gathered `p` (the unit's parameters
-/// in its flat order). Returns the unit's gradient sum when it is complete.
-fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carry) -> anyhow::Result<Option<Vec<f32>>> {
+/// in its flat order). Returns the unit's gradient sums when they are complete.
+fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carry) -> anyhow::Result<Option<Vec<Vec<f32>>>> {
     let detached: Vec<Tensor> = p.iter().map(|v| v.as_detached_tensor()).collect(); // forward: no graph
     let tracked: Vec<Tensor> = p.iter().map(|v| v.as_tensor().clone()).collect(); // backward: a graph to the Vars
     let m = &s.model;
@@ -193,39 +199,40 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
         }
         Phase::Head => {
             let (lnf, wte) = (&tracked[2..4], &tracked[0]);
-            for (x, b) in c.inputs.pop().context("head input")?.into_iter().zip(&c.batches) {
+            for (i, (x, b)) in c.inputs.pop().context("head input")?.into_iter().zip(&c.batches).enumerate() {
                 let x = Var::from_tensor(&x)?;
                 let logits = m.head(&lnf[0], &lnf[1], wte, x.as_tensor())?; // (B, T, V)
                 let loss = cross_entropy(&logits, &b.targets)?;
                 let grads = loss.backward()?;
                 c.loss_sum += loss.to_scalar::<f32>()? as f64;
-                add_grads(&grads, &p[2..4], &mut c.root_grads[unit.ranges[2].start..unit.ranges[3].end])?;
+                add_grads(&grads, &p[2..4], &mut c.root_grads[s.sum_group(i)][unit.ranges[2].start..unit.ranges[3].end])?;
                 c.head_wte.push(grads.get(&p[0]).context("wte grad")?.detach());
                 c.upstream.push(grads.get(&x).context("head input grad")?.detach());
             }
             Ok(None)
         }
         Phase::Backward(_) => {
-            let mut sum = vec![0.0; unit.layout.padded];
+            let mut sums = s.sum_buffers(unit.layout.padded);
             let inputs = c.inputs.pop().context("unit input")?;
-            for (x, g) in inputs.iter().zip(c.upstream.iter_mut()) {
+            for (i, (x, g)) in inputs.iter().zip(c.upstream.iter_mut()).enumerate() {
                 let x = Var::from_tensor(x)?;
                 let out = run_blocks(s, unit, &tracked, x.as_tensor())?; // recompute, with a graph
                 // The gradient of sum(out · g) is g pulled back through the unit.
                 let grads = (out * &*g)?.sum_all()?.backward()?;
-                add_grads(&grads, p, &mut sum)?;
+                add_grads(&grads, p, &mut sums[s.sum_group(i)])?;
                 *g = grads.get(&x).context("unit input grad")?.detach();
             }
-            Ok(Some(sum))
+            Ok(Some(sums))
         }
         Phase::EmbedBackward => {
             // The embedding's backward needs only the token ids and the
             // upstream gradient — no weights, so nothing was gathered.
-            let mut sum = std::mem::take(&mut c.root_grads);
+            let mut sums = std::mem::take(&mut c.root_grads);
             let (wte, wpe) = (unit.ranges[0].clone(), unit.ranges[1].clone());
             let dtype = c.upstream.first().map_or(DType::F32, Tensor::dtype); // the compute dtype
             let wpe_var = Var::zeros(s.table.specs[unit.params[1]].shape.as_slice(), dtype, &Device::Cpu)?;
-            for ((b, g), head) in c.batches.iter().zip(&c.upstream).zip(&c.head_wte) {
+            for (i, ((b, g), head)) in c.batches.iter().zip(&c.upstream).zip(&c.head_wte).enumerate() {
+                let sum = &mut sums[s.sum_group(i)];
                 let ids = b.inputs.flatten_all()?; // (B·T)
                 let rows = Var::zeros((ids.dim(0)?, s.cfg.n_embd), dtype, &Device::Cpu)?; // stand-in for the looked-up rows
                 let grads = (m.add_positions(&rows, &wpe_var, b.inputs.dims2()?)? * g)?.sum_all()?.backward()?;
@@ -236,7 +243,7 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
                 add_into(&mut sum[wte.clone()], &tied)?;
                 add_into(&mut sum[wpe.clone()], grads.get(&wpe_var).context("wpe grad")?)?;
             }
-            Ok(Some(sum))
+            Ok(Some(sums))
         }
     }
 }

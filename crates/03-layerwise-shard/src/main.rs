@@ -59,9 +59,12 @@ fn main() -> ExitCode {
             g if g > layers => Err(anyhow!("--blocks-per-unit {g} exceeds the {} preset's {layers} blocks: pass 1 to {layers}", s.args.preset)),
             _ => Ok(()),
         })?;
-        let init = s.table.init_flat(s.args.seed);
-        let units = build_units(&s.table, layers, g, &init, world.rank(), world.size(), s.adamw, fsdp_gpt::Precision::Fp32);
+        let init = s.start_weights(); // the seed's weights, or the checkpoint's under --resume
+        let mut units = build_units(&s.table, layers, g, &init, world.rank(), world.size(), s.adamw, fsdp_gpt::Precision::Fp32);
         drop(init);
+        if let Some(r) = &*s.resumed.borrow() {
+            units.iter_mut().for_each(|u| u.restore_moments(&s.table, r, world.rank()));
+        }
         let unit_names: Vec<&str> = units.iter().map(|u| u.name.as_str()).collect();
         s.print_config(&[
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
@@ -72,15 +75,19 @@ fn main() -> ExitCode {
 
         let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch };
         let mut reference = args.check.then(|| WholeModelShard::new(&s, false));
+        s.forget_resumed();
         let mut timeline = MemoryTimeline::off();
         let mut divergence = vec![];
         let mut run = Run::start(&s);
-        for step in 1..=s.args.steps {
-            timeline.record(step == 1 && !args.no_plot);
+        for step in s.steps() {
+            timeline.record(step == s.first_step && !args.no_plot);
             let loss = fsdp.step(&s, step, &mut timeline)?;
             timeline.record(false);
             run.step_done(step, loss);
             s.check_memory_budget(step)?;
+            if s.checkpoint_due(step) {
+                s.save_checkpoint(step, &fsdp.checkpoint_pieces())?;
+            }
             if let Some(r) = reference.as_mut() {
                 let d = world.untracked(|| -> anyhow::Result<f32> {
                     r.step(&s, step, &mut MemoryTimeline::off())?;
@@ -100,6 +107,7 @@ fn main() -> ExitCode {
 
         let shape = StepShape {
             micro_batches: s.my_micro_batches().len(),
+            sum_groups: s.sum_groups.per_rank(),
             batch_size: s.sampler.batch_size,
             seq_len: s.sampler.seq_len,
             n_embd: s.cfg.n_embd,
@@ -107,6 +115,7 @@ fn main() -> ExitCode {
         };
         let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout).collect();
         let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts);
+        let scatter_bytes = scatter_bytes * s.sum_groups.per_rank() as u64; // one sum per group of mine
         let mut units = Table::new(["unit", "elements", "padding", "shard / rank", "MB unsharded"]);
         for u in &fsdp.units {
             let l = u.layout;

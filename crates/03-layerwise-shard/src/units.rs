@@ -7,6 +7,7 @@
 //! that is used at both ends of the model (PyTorch FSDP has the same rule:
 //! tied parameters share a unit). Units 1.. hold `blocks_per_unit`
 //! consecutive transformer blocks each.
+use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::{Device, Tensor};
@@ -14,6 +15,7 @@ use fsdp_comm::{ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Precision, Unit};
+use fsdp_harness::checkpoint::{Resumed, ShardPiece};
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
@@ -59,19 +61,36 @@ impl FsdpUnit {
     /// Cuts my shard out of the unit's part of the initial weights `init`
     /// (the whole model's flat vector, the same on every rank).
     pub fn new(table: &ParamTable, name: String, params: Vec<usize>, init: &[f32], rank: usize, world: usize, adamw: AdamWConfig, precision: Precision) -> Self {
-        let mut flat = Vec::new();
         let mut ranges = Vec::new();
+        let mut len = 0;
         for &i in &params {
-            let r = table.specs[i].range();
-            ranges.push(flat.len()..flat.len() + r.len());
-            flat.extend_from_slice(&init[r]);
+            ranges.push(len..len + table.specs[i].numel());
+            len += table.specs[i].numel();
         }
-        let layout = ShardLayout::new(flat.len(), world);
-        flat.resize(layout.padded, 0.0);
-        let master = flat[layout.shard(rank).range()].to_vec();
+        let layout = ShardLayout::new(len, world);
+        let master = unit_shard(table, &params, init, layout, rank);
         let blocks = params.len() / PARAMS_PER_BLOCK;
         let (grad, opt) = (vec![0.0; layout.shard_len], AdamW::new(adamw, layout.shard_len));
         Self { name, params, ranges, blocks, layout, master, grad, opt, precision, resident: None }
+    }
+
+    /// `--resume`: my shard of the checkpoint's AdamW `m` and `v` (in model
+    /// order, saved at any world size), cut exactly as the weights are.
+    pub fn restore_moments(&mut self, table: &ParamTable, r: &Resumed, rank: usize) {
+        self.opt.m = unit_shard(table, &self.params, &r.m, self.layout, rank);
+        self.opt.v = unit_shard(table, &self.params, &r.v, self.layout, rank);
+        self.opt.t = r.t;
+    }
+
+    /// My shard of the weights and of AdamW's state, for a checkpoint.
+    pub fn checkpoint_piece(&self) -> ShardPiece<'_> {
+        ShardPiece {
+            name: self.name.clone(),
+            params: self.params.clone(),
+            master: Cow::Borrowed(&self.master),
+            m: Cow::Borrowed(&self.opt.m),
+            v: Cow::Borrowed(&self.opt.v),
+        }
     }
 
     /// The unit's full weights in the compute dtype, as one flat tensor
@@ -126,9 +145,10 @@ impl FsdpUnit {
     }
 
     /// **reduce-scatter** the unit's gradient sum over my micro-batches
-    /// (padded, whole unit): I keep the rank-ordered sum of my shard.
-    pub fn reduce_scatter(&mut self, w: &World, sum: &[f32]) {
-        w.reduce_scatter(sum, &mut self.grad);
+    /// (padded, whole unit; one per sum group of mine, by default one): I
+    /// keep the rank-ordered sum of my shard.
+    pub fn reduce_scatter(&mut self, w: &World, sums: &[Vec<f32>]) {
+        w.reduce_scatter_groups(sums, &mut self.grad);
     }
 
     /// AdamW on my shard, with the gradient scaled by `inv` (1 / micro-batches);
@@ -149,6 +169,17 @@ impl FsdpUnit {
             model[table.specs[i].range()].copy_from_slice(&gathered[r.clone()]);
         }
     }
+}
+
+/// My shard of a unit's part of a model-order vector `full`: the unit's
+/// parameters concatenated in its order, padded, cut at my shard.
+fn unit_shard(table: &ParamTable, params: &[usize], full: &[f32], layout: ShardLayout, rank: usize) -> Vec<f32> {
+    let mut flat = Vec::with_capacity(layout.padded);
+    for &i in params {
+        flat.extend_from_slice(&full[table.specs[i].range()]);
+    }
+    flat.resize(layout.padded, 0.0);
+    flat[layout.shard(rank).range()].to_vec()
 }
 
 /// Every unit of the model on this rank, root first.

@@ -50,7 +50,8 @@ const STAGES: [&str; 3] = [
 fn main() -> ExitCode {
     fsdp_harness::main(LESSON, |world, lesson| {
         let args: Args = fsdp_harness::parse_args(lesson)?;
-        let s = Session::new(world, lesson, args.train)?;
+        // The stage does not change the arithmetic (a ZeRO-1 checkpoint resumes at ZeRO-3); the precision does.
+        let s = Session::with_flags(world, lesson, args.train, &[("--precision", args.precision.to_string())])?;
         s.print_config(&[
             ("ZeRO stage", STAGES[args.stage as usize - 1].to_string()),
             ("precision", format!("{}: compute copy and grads; fp32 master, gradient sums, AdamW m and v", args.precision)),
@@ -60,12 +61,16 @@ fn main() -> ExitCode {
         fsdp_harness::edge::mark_setup_done();
 
         let mut zero = OptimizerStateShard::new(&s, args.stage, args.precision, args.prefetch)?;
+        s.forget_resumed();
         world.reset_traffic(); // stages 1–2 gathered their resident copies: setup, not a step
         let mut run = Run::start(&s);
-        for step in 1..=s.args.steps {
+        for step in s.steps() {
             let loss = zero.step(&s, step, &mut MemoryTimeline::off())?;
             run.step_done(step, loss);
             s.check_memory_budget(step)?;
+            if s.checkpoint_due(step) {
+                s.save_checkpoint(step, &zero.fsdp.checkpoint_pieces())?;
+            }
         }
         run.finish();
         let training_traffic = world.traffic();
@@ -82,6 +87,7 @@ fn main() -> ExitCode {
             ranks: world.size(),
             compute_bytes: args.precision.bytes(),
             prefetch: zero.fsdp.prefetch,
+            sum_groups: s.sum_groups.per_rank(),
         };
         // Bytes on the wire: every gather moves the compute dtype, every
         // reduce-scatter fp32; stage 3 gathers each unit twice, stages 1–2
@@ -93,7 +99,7 @@ fn main() -> ExitCode {
             .traffic(training_traffic)
             .table(format!("ZeRO side by side: {} parameters on {} rank(s), {} compute\n{}", fsdp_harness::table::thousands(shapes.numel as u64), world.size(), args.precision, side_by_side(shapes, 12.0).render()))
             .expect_traffic(Collective::AllGather, gathers * sent(args.precision.bytes()))
-            .expect_traffic(Collective::ReduceScatter, sent(4))
+            .expect_traffic(Collective::ReduceScatter, s.sum_groups.per_rank() as u64 * sent(4))
             .json("stage", serde_json::json!(args.stage))
             .json("precision", serde_json::json!(args.precision.to_string()))
             .json("side_by_side_bytes", serde_json::json!([0u8, 1, 2, 3].iter().map(|&st| tally(st, shapes).total_bytes()).collect::<Vec<_>>()));

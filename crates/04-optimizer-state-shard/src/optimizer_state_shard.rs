@@ -33,8 +33,11 @@ pub struct OptimizerStateShard {
 impl OptimizerStateShard {
     // ANCHOR: new
     pub fn new(s: &Session, stage: u8, precision: Precision, prefetch: bool) -> anyhow::Result<Self> {
-        let (w, init) = (s.world, s.table.init_flat(s.args.seed));
+        let (w, init) = (s.world, s.start_weights()); // the seed's, or the checkpoint's under --resume
         let mut units = build_units(&s.table, s.cfg.n_layer, 1, &init, w.rank(), w.size(), s.adamw, precision);
+        if let Some(r) = &*s.resumed.borrow() {
+            units.iter_mut().for_each(|u| u.restore_moments(&s.table, r, w.rank()));
+        }
         if stage < 3 {
             // Parameters replicated: every rank keeps the whole compute copy.
             for u in &mut units {
@@ -68,12 +71,12 @@ fn whole_model_step(units: &mut [FsdpUnit], s: &Session, step: u64, tl: &mut Mem
     tl.mark("compute copy as candle Vars");
 
     // 1. forward/backward on my micro-batches: the *whole* gradient, summed in fp32
-    let mut sums: Vec<Vec<f32>> = units.iter().map(|u| vec![0.0; u.layout.padded]).collect();
+    let mut sums: Vec<Vec<Vec<f32>>> = units.iter().map(|u| s.sum_buffers(u.layout.padded)).collect(); // [unit][sum group]
     let mut loss_sum = 0.0;
-    for k in s.my_micro_batches() {
+    for (i, k) in s.my_micro_batches().enumerate() {
         let (loss, grads) = s.forward_backward(&vars, step, k)?;
         for (sum, vs) in sums.iter_mut().zip(&per_unit) {
-            add_grads(&grads, vs, sum)?;
+            add_grads(&grads, vs, &mut sum[s.sum_group(i)])?;
         }
         loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}"));

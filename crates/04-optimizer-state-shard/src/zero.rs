@@ -39,6 +39,8 @@ pub struct Shapes {
     /// Bytes per element of the compute copy and candle's gradients (2 for bf16).
     pub compute_bytes: usize,
     pub prefetch: bool,
+    /// Gradient sums per unit on each rank (`--sum-groups` G / N; by default 1).
+    pub sum_groups: usize,
 }
 
 // ANCHOR: tally
@@ -75,17 +77,18 @@ pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
         1 => t
             .add(&format!("compute copy as candle Vars ({cdt})"), sh.numel, c, "whole model")
             .add(&format!("grads of one micro-batch ({cdt})"), sh.numel, c, "whole model")
-            .add("grad sums (fp32)", sh.padded, 4, "whole model, until reduce-scattered"),
+            .add("grad sums (fp32)", sh.sum_groups * sh.padded, 4, "whole model, until reduce-scattered"),
         _ => t
             .add(&format!("unit as candle Vars ({cdt})"), sh.largest, c, "largest unit, freed after use")
             .add(&format!("unit grads of one micro-batch ({cdt})"), sh.largest, c, "largest unit, freed after use")
-            .add("unit grad sum (fp32)", sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
+            .add("unit grad sum (fp32)", sh.sum_groups * sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
     };
     if stage == 3 && sh.prefetch {
         t.add(&format!("next unit, prefetched ({cdt})"), sh.largest_padded, c, "--prefetch");
     }
     if n > 1 {
-        t.add("comm buffers", sh.largest_padded, 4, "reduce-scatter's all-to-all receive, largest unit");
+        let g = sh.sum_groups; // more than one sum: packed per destination, then received
+        t.add("comm buffers", g * sh.largest_padded + if g > 1 { g * sh.largest_padded } else { 0 }, 4, "reduce-scatter's all-to-all receive, largest unit");
     }
     t
 }

@@ -29,7 +29,7 @@ pub mod traffic;
 pub mod world;
 
 pub use layout::{ShardInfo, ShardLayout};
-pub use reduce::sum_in_rank_order;
+pub use reduce::{SumGroups, sum_in_rank_order};
 pub use traffic::{Collective, Traffic, TrafficStats};
 pub use world::{CommError, World, abort_job};
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).

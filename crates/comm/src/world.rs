@@ -141,6 +141,64 @@ impl World {
     }
     // ANCHOR_END: ordered_reduce_scatter
 
+    // ANCHOR: grouped_reduce_scatter
+    /// **reduce-scatter of several sums per rank** (`--sum-groups`): this
+    /// rank's `groups` are the gradient sums of its consecutive groups of
+    /// micro-batches, each a whole padded vector. Afterwards `mine` holds my
+    /// shard of the sum of *all* groups of all ranks, added in global group
+    /// order (rank 0's groups, then rank 1's, …). With one group per rank it
+    /// is [`World::reduce_scatter`], bit for bit and byte for byte; with G
+    /// groups in all, the sum no longer depends on how many ranks hold them.
+    pub fn reduce_scatter_groups(&self, groups: &[Vec<f32>], mine: &mut [f32]) {
+        if let [only] = groups {
+            return self.reduce_scatter(only, mine);
+        }
+        let (k, n) = (groups.len(), mine.len());
+        let bytes = k * (self.size - 1) * n * F32;
+        self.timed(Collective::ReduceScatter, bytes, bytes, || self.reduce_scatter_groups_untimed(groups, mine));
+    }
+
+    fn reduce_scatter_groups_untimed(&self, groups: &[Vec<f32>], mine: &mut [f32]) {
+        let (k, n) = (groups.len(), mine.len());
+        assert!(groups.iter().all(|g| g.len() == n * self.size), "reduce_scatter_groups: each group must hold N shards");
+        // Send buffer laid out [destination rank][my group][shard]: rank j
+        // receives [source rank][its group][shard j], i.e. global group order.
+        let mut send = Vec::with_capacity(k * n * self.size);
+        for j in 0..self.size {
+            for g in groups {
+                send.extend_from_slice(&g[j * n..(j + 1) * n]);
+            }
+        }
+        let mut scratch = self.scratch.borrow_mut();
+        scratch.resize(send.len(), 0.0);
+        if self.size == 1 {
+            scratch.copy_from_slice(&send);
+        } else {
+            self.comm.all_to_all_into(&send[..], &mut scratch[..]);
+        }
+        sum_in_rank_order(scratch.chunks_exact(n), mine);
+    }
+    // ANCHOR_END: grouped_reduce_scatter
+
+    /// **all-reduce of several sums per rank**: [`World::reduce_scatter_groups`]
+    /// into `shard`, then an all-gather into `groups[0]`, which ends up holding
+    /// the sum over all groups of all ranks. With one group it is [`World::all_reduce`].
+    pub fn all_reduce_groups(&self, groups: &mut [Vec<f32>], shard: &mut [f32]) {
+        if let [only] = groups {
+            return self.all_reduce(only, shard);
+        }
+        let k = groups.len();
+        let bytes = (k + 1) * (self.size - 1) * shard.len() * F32;
+        self.timed(Collective::AllReduce, bytes, bytes, || {
+            self.reduce_scatter_groups_untimed(groups, shard);
+            if self.size == 1 {
+                groups[0].copy_from_slice(shard);
+            } else {
+                self.comm.all_gather_into(&shard[..], &mut groups[0][..]);
+            }
+        });
+    }
+
     /// **all-reduce**, ordered: `buf` becomes the element-wise sum over ranks,
     /// bit for bit equal to `reduce_scatter` followed by `all_gather`, because
     /// that is how it is done. `buf.len()` must be a multiple of N (pad it; see

@@ -63,6 +63,31 @@ pub struct TrainArgs {
     /// stops on every rank with an out-of-memory error at the end of that step.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub mem_budget: Option<u64>,
+
+    /// Sum each step's micro-batch gradients in G groups of consecutive
+    /// micro-batches (G divides --micro-batches; the world size divides G):
+    /// the same bits at every world size dividing G, at G/N times the
+    /// reduce-scatter bytes. Default: one group per rank (or the checkpoint's).
+    #[arg(long, value_name = "G", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub sum_groups: Option<u32>,
+
+    /// Write sharded checkpoints into this folder: at the last step, and
+    /// every --save-every steps.
+    #[arg(long, value_name = "DIR")]
+    pub ckpt: Option<PathBuf>,
+
+    /// Save a checkpoint every K steps (needs --ckpt).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    pub save_every: Option<u64>,
+
+    /// Keep the newest N checkpoints in --ckpt, removing older ones.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub keep: u64,
+
+    /// Resume from a checkpoint saved at any world size: a --ckpt folder
+    /// (its `latest`) or one of its step-* folders.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
 }
 
 /// `120MB`, `1.5GB`, `512MiB`, `2e9`, `4096`: a size in bytes (MB = 10⁶, MiB = 2²⁰).

@@ -32,8 +32,8 @@ impl Lesson {
 pub enum Stop {
     #[error("done")]
     Success,
-    /// Setup failed on some rank; the message was already printed.
-    #[error("setup failed")]
+    /// Some rank failed in a step every rank took together; the message was already printed.
+    #[error("failed")]
     Reported,
 }
 
@@ -117,7 +117,7 @@ pub fn agree<T>(world: &World, result: anyhow::Result<T>) -> anyhow::Result<T> {
             if world.is_root() {
                 let failed: Vec<String> =
                     flags.iter().enumerate().filter(|(_, f)| **f == 1).map(|(r, _)| r.to_string()).collect();
-                eprintln!("error: setup failed on rank {} (its message is above)", failed.join(", "));
+                eprintln!("error: failed on rank {} (its message is above)", failed.join(", "));
             }
             Err(Stop::Reported.into())
         }

@@ -31,9 +31,13 @@
 //! | [`table`] | boxed text tables |
 //! | [`plot`] | small SVG line charts |
 //! | [`timeline`] | the heap sampled at the events of one step |
+//! | [`checkpoint`] | sharded checkpoints on disk: atomic save, checksummed load, any world size |
+//! | [`checkpointing`] | the session's side: flags, resume checks, the collective save |
 //! | [`edge`] | `main`: errors reported once, on rank 0, every rank ends |
 
 pub mod alloc;
+pub mod checkpoint;
+pub mod checkpointing;
 pub mod cli;
 pub mod edge;
 pub mod plot;

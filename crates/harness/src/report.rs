@@ -133,7 +133,7 @@ impl<'a, 'w> Report<'a, 'w> {
         m.row(row("peak RSS (incl. MPI, code)", &rss));
         println!("{}", m.render());
 
-        let steps = s.args.steps;
+        let steps = self.run.losses.len().max(1) as u64; // trained in this run (fewer after --resume)
         let mut tt = Table::new(["collective (per step, per rank)", "calls", "bytes sent", "theory"]);
         let mut secs = vec![];
         for kind in Collective::ALL {
@@ -164,7 +164,8 @@ impl<'a, 'w> Report<'a, 'w> {
             "world_size": w.size(),
             "preset": s.args.preset,
             "params": s.table.numel(),
-            "steps": steps,
+            "steps": s.args.steps,
+            "first_step": s.first_step,
             "tokens_per_step": s.sampler.tokens_per_step(),
             "losses": self.run.losses,
             "final_loss": final_loss,
@@ -195,7 +196,12 @@ impl<'a, 'w> Report<'a, 'w> {
             title: format!("{} · {} rank(s)", s.lesson.package, w.size()),
             x_label: "step".into(),
             y_label: "loss".into(),
-            series: vec![Series { name: "train loss".into(), color: "#1f77b4", points: points(&self.run.losses), dashed: false }],
+            series: vec![Series {
+                name: "train loss".into(),
+                color: "#1f77b4",
+                points: self.run.losses.iter().enumerate().map(|(i, &l)| ((s.first_step + i as u64) as f64, l as f64)).collect(),
+                dashed: false,
+            }],
             y_range: None,
         };
         write("loss.svg", crate::plot::svg(&[loss]).as_bytes())?;

@@ -11,6 +11,7 @@ use crate::table::thousands;
 /// One training run, as rank 0 reports it.
 pub struct Run {
     steps: u64,
+    first_step: u64,
     log_every: u64,
     tokens_per_step: usize,
     bar: Option<ProgressBar>,
@@ -29,6 +30,7 @@ impl Run {
     pub fn start(s: &Session) -> Self {
         let bar = (s.world.is_root() && wants_bar()).then(|| {
             let b = ProgressBar::with_draw_target(Some(s.args.steps), ProgressDrawTarget::stdout());
+            b.set_position(s.first_step - 1);
             b.set_style(
                 ProgressStyle::with_template("{bar:30.cyan/blue} step {pos}/{len} · {msg} · eta {eta}")
                     .expect("valid template"),
@@ -38,6 +40,7 @@ impl Run {
         crate::alloc::reset_peak();
         Self {
             steps: s.args.steps,
+            first_step: s.first_step,
             log_every: s.args.log_every,
             tokens_per_step: s.sampler.tokens_per_step(),
             bar,
@@ -61,7 +64,7 @@ impl Run {
             b.set_message(format!("loss {loss:.4} · {} tok/s", thousands(tps as u64)));
             b.inc(1);
         }
-        if step == 1 || step % self.log_every == 0 || step == self.steps {
+        if step == self.first_step || step % self.log_every == 0 || step == self.steps {
             match &self.bar {
                 Some(b) => b.println(line),
                 None => crate::print0!("{line}"),

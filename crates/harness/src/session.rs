@@ -1,14 +1,16 @@
 //! Setup shared by every lesson: validate the flags against the world,
 //! load the data, build the model shape, and print the config table.
+use std::cell::RefCell;
 use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use fsdp_comm::World;
+use fsdp_comm::{SumGroups, World};
 use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
 
+use crate::checkpoint::{Meta, Resumed};
 use crate::cli::TrainArgs;
 use crate::edge::{Lesson, agree};
 use crate::table::{Table, thousands};
@@ -25,17 +27,35 @@ pub struct Session<'w> {
     pub sampler: Sampler,
     pub adamw: AdamWConfig,
     pub out: PathBuf,
+    /// How each step's micro-batch gradients are grouped before they are
+    /// summed (`--sum-groups`; by default one group per rank).
+    pub sum_groups: SumGroups,
+    /// The first step to train: 1, or the checkpoint's step + 1 after `--resume`.
+    pub first_step: u64,
+    /// `--resume`: the checkpoint's state in model order, until the lesson
+    /// has cut its shards out of it ([`Session::forget_resumed`]).
+    pub resumed: RefCell<Option<Resumed>>,
+    /// The lesson's flags that change the arithmetic, saved in and checked against checkpoints.
+    pub lesson_flags: Vec<(String, String)>,
 }
 
 impl<'w> Session<'w> {
     /// Validates `args` for this world and builds the session. Every rank
     /// agrees on the outcome, so a bad flag or file ends all ranks cleanly.
     pub fn new(world: &'w World, lesson: &Lesson, args: TrainArgs) -> anyhow::Result<Self> {
-        let result = Self::build(world, lesson, args);
+        Self::with_flags(world, lesson, args, &[])
+    }
+
+    /// [`Session::new`] for a lesson with flags of its own that change the
+    /// arithmetic (e.g. `("--precision", "bf16")`): a checkpoint records them
+    /// and resumes only under the same values.
+    pub fn with_flags(world: &'w World, lesson: &Lesson, args: TrainArgs, flags: &[(&str, String)]) -> anyhow::Result<Self> {
+        let flags = flags.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        let result = Self::build(world, lesson, args, flags);
         agree(world, result)
     }
 
-    fn build(world: &'w World, lesson: &Lesson, args: TrainArgs) -> anyhow::Result<Self> {
+    fn build(world: &'w World, lesson: &Lesson, args: TrainArgs, lesson_flags: Vec<(String, String)>) -> anyhow::Result<Self> {
         let n = world.size();
         let m = args.micro_batches as usize;
         if n > m {
@@ -63,8 +83,64 @@ impl<'w> Session<'w> {
         }
         let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
         let table = ParamTable::new(&cfg);
-        crate::alloc::set_budget(args.mem_budget.map(|b| b as usize));
-        Ok(Self { world, lesson: *lesson, args, corpus, cfg, table, model: Gpt::new(cfg), sampler, adamw, out })
+        crate::checkpointing::check_paths(world, &args)?;
+        let loaded: Option<(Meta, Resumed)> = match &args.resume {
+            Some(dir) => Some(crate::checkpoint::read(dir)?),
+            None => None,
+        };
+        let sum_groups = crate::checkpointing::sum_groups(&args, n, loaded.as_ref().map(|(m, _)| m))?;
+        let mut s = Self {
+            world,
+            lesson: *lesson,
+            args,
+            corpus,
+            cfg,
+            table,
+            model: Gpt::new(cfg),
+            sampler,
+            adamw,
+            out,
+            sum_groups,
+            first_step: 1,
+            resumed: RefCell::new(None),
+            lesson_flags,
+        };
+        if let Some((meta, resumed)) = loaded {
+            crate::checkpointing::check_resume(&s, &meta)?;
+            s.first_step = resumed.step + 1;
+            s.resumed = RefCell::new(Some(resumed));
+        }
+        crate::alloc::set_budget(s.args.mem_budget.map(|b| b as usize));
+        Ok(s)
+    }
+
+    /// The starting weights in model order: the checkpoint's under `--resume`,
+    /// else the seed's initial weights (the same on every rank).
+    pub fn start_weights(&self) -> Vec<f32> {
+        match &*self.resumed.borrow() {
+            Some(r) => r.master.clone(),
+            None => self.table.init_flat(self.args.seed),
+        }
+    }
+
+    /// Frees the checkpoint's state once the lesson has taken its shards.
+    pub fn forget_resumed(&self) {
+        self.resumed.borrow_mut().take();
+    }
+
+    /// One zeroed gradient-sum buffer of `len` elements per sum group of mine.
+    pub fn sum_buffers(&self, len: usize) -> Vec<Vec<f32>> {
+        vec![vec![0.0; len]; self.sum_groups.per_rank()]
+    }
+
+    /// Which of my sum buffers the `i`-th of my micro-batches adds to.
+    pub fn sum_group(&self, i: usize) -> usize {
+        self.sum_groups.local_group(i)
+    }
+
+    /// The steps left to train: `first_step..=steps`.
+    pub fn steps(&self) -> std::ops::RangeInclusive<u64> {
+        self.first_step..=self.args.steps
     }
 
     /// The micro-batches this rank trains on each step.
@@ -124,6 +200,17 @@ impl<'w> Session<'w> {
         t.row(["micro-batches per step".to_string(), format!("{m} ({} per rank)", m / n)]);
         t.row(["tokens per step".to_string(), thousands(self.sampler.tokens_per_step() as u64)]);
         t.row(["steps".to_string(), thousands(self.args.steps)]);
+        let g = self.sum_groups.groups;
+        if g != n || self.args.resume.is_some() {
+            t.row(["gradient sum groups".to_string(), format!("{g} ({} per rank; the sum's rounding is the same at every world size dividing {g})", g / n)]);
+        }
+        if let Some(r) = &*self.resumed.borrow() {
+            t.row(["resumed from".to_string(), format!("{} (step {}, saved by {} rank{})", r.from.display(), r.step, r.saved_world, if r.saved_world == 1 { "" } else { "s" })]);
+        }
+        if let Some(dir) = &self.args.ckpt {
+            let every = self.args.save_every.map_or("at the last step".to_string(), |k| format!("every {k} steps and at the last"));
+            t.row(["checkpoints".to_string(), format!("{} ({every}; keep {})", dir.display(), self.args.keep)]);
+        }
         let a = &self.adamw;
         t.row(["AdamW".to_string(), format!("lr {}, betas ({}, {}), eps {:e}, weight decay {}", a.lr, a.beta1, a.beta2, a.eps, a.weight_decay)]);
         t.row(["seed".to_string(), self.args.seed.to_string()]);

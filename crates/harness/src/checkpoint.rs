@@ -1,0 +1,393 @@
+//! Sharded checkpoints that survive a killed rank and load at any world size.
+//!
+//! A checkpoint is a folder `DIR/step-000040/` holding one safetensors file
+//! per rank — that rank's shard of the fp32 master weights and of AdamW's `m`
+//! and `v`, unit by unit — and `meta.json`: the format version, the lesson,
+//! the model shape, the data and its position, the sum grouping, each unit's
+//! parameters (the layout), and every shard file's size and SHA-256.
+//!
+//! **Atomic.** Every rank writes into `DIR/.step-000040.partial/` and fsyncs;
+//! rank 0 then writes `meta.json`, renames the folder to `step-000040`, and
+//! only then points `DIR/latest` at it (itself written to a temporary file
+//! and renamed). A kill at any moment leaves `latest` naming a complete
+//! checkpoint. `--keep N` removes all but the newest N afterwards.
+//!
+//! **Any world size.** Loading reads every shard file, checks its checksum,
+//! reassembles each unit (the shards in rank order, padding dropped) and puts
+//! its parameters back in the model's flat order: a [`Resumed`] state that
+//! knows nothing of the world it was saved from. Each lesson cuts its own
+//! shards out of it, exactly as it cuts them out of the initial weights.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! let (meta, state) = fsdp_harness::checkpoint::read(Path::new("out/ckpt")).unwrap();
+//! println!("{} at step {}, saved by {} ranks", meta.lesson, state.step, meta.world_size);
+//! ```
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, anyhow, bail};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use fsdp_comm::ShardLayout;
+use fsdp_gpt::checkpoint::write_atomically;
+use fsdp_gpt::{GptConfig, ParamTable};
+
+/// The format written here; a checkpoint saying anything else is refused.
+pub const FORMAT: &str = "fsdp-from-scratch/checkpoint/v1";
+const META: &str = "meta.json";
+const LATEST: &str = "latest";
+
+/// One unit's shard on this rank, as a lesson hands it over for saving.
+pub struct ShardPiece<'a> {
+    /// The unit's name (`model` for a flat layout, `root`, `h.0`, …).
+    pub name: String,
+    /// The parameter-table entries of the unit, in the unit's flat order.
+    pub params: Vec<usize>,
+    /// My shard of the unit's fp32 weights, `m` and `v` (padding included).
+    pub master: Cow<'a, [f32]>,
+    pub m: Cow<'a, [f32]>,
+    pub v: Cow<'a, [f32]>,
+}
+
+impl<'a> ShardPiece<'a> {
+    /// The whole model as one flat unit (lessons 01 and 02): `master`, `m`
+    /// and `v` are my shard of the model's padded flat vector.
+    pub fn flat(table: &ParamTable, master: Cow<'a, [f32]>, m: Cow<'a, [f32]>, v: Cow<'a, [f32]>) -> Self {
+        Self { name: "model".into(), params: (0..table.specs.len()).collect(), master, m, v }
+    }
+}
+
+/// My shard of a replicated flat vector (padded with zeros where it runs past the end).
+pub fn cut_shard(full: &[f32], layout: ShardLayout, rank: usize) -> Vec<f32> {
+    let mut out = vec![0.0; layout.shard_len];
+    let r = layout.shard(rank).range();
+    let real = layout.real_len(rank);
+    out[..real].copy_from_slice(&full[r.start..r.start + real]);
+    out
+}
+
+/// `meta.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Meta {
+    pub format: String,
+    /// The package that wrote it, e.g. `step03-layerwise-shard`.
+    pub lesson: String,
+    /// Steps completed; training resumes at `step + 1`.
+    pub step: u64,
+    pub world_size: usize,
+    /// `--sum-groups`: how many groups the M micro-batch gradients were summed in.
+    pub sum_groups: usize,
+    pub model: ModelMeta,
+    pub data: DataMeta,
+    pub adamw: AdamWMeta,
+    /// Flags of the lesson that change the arithmetic (e.g. `--precision`), as given.
+    pub lesson_flags: Vec<(String, String)>,
+    pub units: Vec<UnitMeta>,
+    pub files: Vec<FileMeta>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ModelMeta {
+    pub preset: String,
+    pub vocab_size: usize,
+    pub block_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub params: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct DataMeta {
+    /// The generated corpus or the `--data` path, as given.
+    pub source: String,
+    pub vocab: String,
+    pub tokens: usize,
+    /// FNV-1a of the token ids: the same text, the same batches.
+    pub tokens_digest: String,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub micro_batches: usize,
+    pub seed: u64,
+    /// The data position: batches are a pure function of (seed, step), so the
+    /// next step's batch is all a resumed run needs to know.
+    pub next_step: u64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct AdamWMeta {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// AdamW's step count `t` (its bias corrections depend on it).
+    pub t: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UnitMeta {
+    pub name: String,
+    pub params: Vec<usize>,
+    pub numel: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub rank: usize,
+    pub path: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// A checkpoint's training state in the model's flat order: no trace of the
+/// world size or the layout it was saved with.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    pub from: PathBuf,
+    pub step: u64,
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    /// AdamW's step count.
+    pub t: u32,
+    pub saved_world: usize,
+    pub sum_groups: usize,
+}
+
+/// `step-000040`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:06}")
+}
+
+/// The shard file of `rank` out of `world`.
+pub fn shard_file_name(rank: usize, world: usize) -> String {
+    format!("shard-{rank:03}-of-{world:03}.safetensors")
+}
+
+/// The partial folder a save writes into before it is renamed.
+pub fn partial_dir(ckpt: &Path, step: u64) -> PathBuf {
+    ckpt.join(format!(".{}.partial", step_dir_name(step)))
+}
+
+/// Serialises my shard pieces: tensors `<unit>.master`, `<unit>.m`, `<unit>.v`.
+pub fn shard_bytes(pieces: &[ShardPiece], rank: usize, world: usize, step: u64) -> anyhow::Result<Vec<u8>> {
+    let mut bufs: Vec<(String, Vec<u8>)> = vec![];
+    for p in pieces {
+        for (what, data) in [("master", &p.master), ("m", &p.m), ("v", &p.v)] {
+            bufs.push((format!("{}.{what}", p.name), data.iter().flat_map(|x| x.to_le_bytes()).collect()));
+        }
+    }
+    let views: Vec<(String, TensorView)> =
+        bufs.iter().map(|(n, b)| Ok((n.clone(), TensorView::new(Dtype::F32, vec![b.len() / 4], b)?))).collect::<anyhow::Result<_>>()?;
+    let meta: HashMap<String, String> = [("fsdp_shard".to_string(), format!("{{\"rank\":{rank},\"world\":{world},\"step\":{step}}}"))].into();
+    Ok(safetensors::serialize(views, Some(meta))?)
+}
+
+/// Writes a file and fsyncs it (inside a partial folder: the folder's rename is the commit).
+pub fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(data)?;
+    f.sync_all()
+}
+
+/// Hex SHA-256.
+pub fn sha256_hex(data: &[u8]) -> String {
+    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// fsync of a folder, so a rename inside it is on disk.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Rank 0's half of a save, once every shard is on disk: `meta.json`, the
+/// rename that commits the checkpoint, the `latest` pointer, then `--keep`.
+pub fn commit(ckpt: &Path, meta: &Meta, keep: usize) -> anyhow::Result<PathBuf> {
+    let partial = partial_dir(ckpt, meta.step);
+    write_synced(&partial.join(META), serde_json::to_string_pretty(meta)?.as_bytes())?;
+    sync_dir(&partial)?;
+    let done = ckpt.join(step_dir_name(meta.step));
+    if done.exists() {
+        // A run resumed from an older checkpoint saves this step again: the old folder goes.
+        std::fs::remove_dir_all(&done).with_context(|| format!("cannot replace {}", done.display()))?;
+    }
+    std::fs::rename(&partial, &done)?;
+    sync_dir(ckpt)?;
+    write_atomically(&ckpt.join(LATEST), format!("{}\n", step_dir_name(meta.step)).as_bytes())?;
+    sync_dir(ckpt)?;
+    prune(ckpt, keep, &done)?;
+    Ok(done)
+}
+
+/// The committed checkpoints in `ckpt`, oldest first.
+pub fn list(ckpt: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(ckpt)
+        .map(|d| d.filter_map(Result::ok).map(|e| e.path()).filter(|p| is_step_dir(p)).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+fn is_step_dir(p: &Path) -> bool {
+    p.is_dir() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step-") && n[5..].bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Keeps the newest `keep` checkpoints (and always `current`).
+fn prune(ckpt: &Path, keep: usize, current: &Path) -> anyhow::Result<()> {
+    let all = list(ckpt);
+    for old in all.iter().take(all.len().saturating_sub(keep)) {
+        if old != current {
+            std::fs::remove_dir_all(old).with_context(|| format!("cannot remove old checkpoint {}", old.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Partial folders a killed save left behind: removed before the next save.
+pub fn remove_partials(ckpt: &Path) {
+    if let Ok(d) = std::fs::read_dir(ckpt) {
+        for e in d.filter_map(Result::ok) {
+            if e.file_name().to_str().is_some_and(|n| n.starts_with(".step-") && n.ends_with(".partial")) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+/// `--resume DIR`: DIR is a checkpoint folder itself (it holds meta.json) or
+/// a `--ckpt` folder whose `latest` names one.
+pub fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
+    if dir.join(META).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    let latest = dir.join(LATEST);
+    if !dir.is_dir() {
+        bail!("--resume {}: no such folder: pass a --ckpt folder of an earlier run", dir.display());
+    }
+    let name = std::fs::read_to_string(&latest).map_err(|_| {
+        anyhow!("--resume {}: no checkpoint there (no meta.json, no `latest` pointer): pass the --ckpt folder of an earlier run", dir.display())
+    })?;
+    let step_dir = dir.join(name.trim());
+    if !step_dir.join(META).is_file() {
+        bail!("--resume {}: `latest` names {}, which holds no meta.json: pass one of its step-* folders instead", dir.display(), name.trim());
+    }
+    Ok(step_dir)
+}
+
+/// Reads and checks a checkpoint (every file's size and SHA-256, every
+/// tensor's name and length) and reassembles its state in model order.
+pub fn read(dir: &Path) -> anyhow::Result<(Meta, Resumed)> {
+    let dir = resolve(dir)?;
+    let at = dir.display().to_string();
+    let text = std::fs::read_to_string(dir.join(META)).with_context(|| format!("checkpoint {at}: cannot read meta.json"))?;
+    let meta: Meta = serde_json::from_str(&text).map_err(|e| anyhow!("checkpoint {at}: meta.json is not valid ({e})"))?;
+    if meta.format != FORMAT {
+        bail!("checkpoint {at}: format `{}`, this build reads `{FORMAT}`", meta.format);
+    }
+    let cfg = GptConfig {
+        vocab_size: meta.model.vocab_size,
+        block_size: meta.model.block_size,
+        n_layer: meta.model.n_layer,
+        n_head: meta.model.n_head,
+        n_embd: meta.model.n_embd,
+    };
+    let table = ParamTable::new(&cfg);
+    let numel = table.numel();
+    if numel != meta.model.params {
+        bail!("checkpoint {at}: meta.json says {} parameters but its model shape has {numel}", meta.model.params);
+    }
+    // The layout must cover every parameter exactly once.
+    let mut seen = vec![false; table.specs.len()];
+    for u in &meta.units {
+        let n: usize = u.params.iter().map(|&i| table.specs.get(i).map_or(0, |s| s.numel())).sum();
+        if u.params.iter().any(|&i| i >= seen.len() || std::mem::replace(&mut seen[i], true)) || n != u.numel {
+            bail!("checkpoint {at}: meta.json's layout is inconsistent (unit `{}`)", u.name);
+        }
+    }
+    if seen.iter().any(|s| !s) || meta.files.len() != meta.world_size {
+        bail!("checkpoint {at}: meta.json's layout or file list is incomplete");
+    }
+    let (mut master, mut m, mut v) = (vec![0f32; numel], vec![0f32; numel], vec![0f32; numel]);
+    for f in &meta.files {
+        let path = dir.join(&f.path);
+        let data = std::fs::read(&path).map_err(|e| anyhow!("checkpoint {at}: cannot read shard {} ({e})", f.path))?;
+        if data.len() as u64 != f.bytes {
+            bail!("checkpoint {at}: shard {} is {} bytes, meta.json says {}: the file is truncated or replaced", f.path, data.len(), f.bytes);
+        }
+        if sha256_hex(&data) != f.sha256 {
+            bail!("checkpoint {at}: shard {} fails its SHA-256 check: the file is corrupt", f.path);
+        }
+        let st = SafeTensors::deserialize(&data).map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
+        for u in &meta.units {
+            let layout = ShardLayout::new(u.numel, meta.world_size);
+            let shard = layout.shard(f.rank);
+            for (what, full) in [("master", &mut master), ("m", &mut m), ("v", &mut v)] {
+                let name = format!("{}.{what}", u.name);
+                let t = st.tensor(&name).map_err(|_| anyhow!("checkpoint {at}: shard {} has no tensor `{name}`", f.path))?;
+                if t.dtype() != Dtype::F32 || t.shape() != [layout.shard_len] {
+                    bail!("checkpoint {at}: tensor `{name}` in {} is {:?} {:?}, expected F32 [{}]", f.path, t.dtype(), t.shape(), layout.shard_len);
+                }
+                // Element j of my shard is element offset + j of the unit's
+                // flat vector; place the real ones (not padding) in model order.
+                let values: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                place(&table, &u.params, shard.offset, &values, full);
+            }
+        }
+    }
+    let resumed = Resumed {
+        from: dir.clone(),
+        step: meta.step,
+        master,
+        m,
+        v,
+        t: meta.adamw.t,
+        saved_world: meta.world_size,
+        sum_groups: meta.sum_groups,
+    };
+    Ok((meta, resumed))
+}
+
+/// Writes `values`, which are elements `offset..` of the unit made of
+/// `params` (in that order), to their places in the model's flat vector.
+fn place(table: &ParamTable, params: &[usize], offset: usize, values: &[f32], model: &mut [f32]) {
+    let mut unit_at = 0; // where the current parameter starts in the unit's flat vector
+    for &i in params {
+        let r = table.specs[i].range();
+        let (lo, hi) = (offset.max(unit_at), (offset + values.len()).min(unit_at + r.len()));
+        if lo < hi {
+            model[r.start + lo - unit_at..r.start + hi - unit_at].copy_from_slice(&values[lo - offset..hi - offset]);
+        }
+        unit_at += r.len();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placing_shards_of_a_unit_rebuilds_the_model_order() {
+        let table = ParamTable::new(&GptConfig::preset("tiny", 65).unwrap());
+        let full = table.init_flat(3);
+        // A unit of parameters 5, 2 and 9 (out of order on purpose), cut over 3 ranks.
+        let params = vec![5, 2, 9];
+        let flat: Vec<f32> = params.iter().flat_map(|&i| full[table.specs[i].range()].to_vec()).collect();
+        let layout = ShardLayout::new(flat.len(), 3);
+        let mut padded = flat.clone();
+        padded.resize(layout.padded, f32::NAN); // padding must never land in the model
+        let mut model = vec![0f32; table.numel()];
+        for r in (0..3).rev() {
+            place(&table, &params, layout.shard(r).offset, &padded[layout.shard(r).range()], &mut model);
+        }
+        for &i in &params {
+            assert_eq!(&model[table.specs[i].range()], &full[table.specs[i].range()]);
+        }
+        assert!(model.iter().all(|x| !x.is_nan()));
+    }
+}
