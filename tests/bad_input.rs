@@ -3,17 +3,6 @@
 mod common;
 use common::*;
 
-/// Runs a case and checks the shape of the failure; returns the error line.
-fn fails(package: &str, ranks: usize, args: &[&str], name: &str) -> String {
-    let (o, _) = mpirun(package, ranks, args, name);
-    let (code, lines) = failure(&o);
-    assert_eq!(code, 2, "{name}: exit code; stderr {lines:?}");
-    assert_eq!(lines.len(), 1, "{name}: exactly one line on stderr, got {lines:?}");
-    assert!(lines[0].starts_with("error: "), "{name}: {lines:?}");
-    assert!(!lines[0].contains("panicked") && !lines[0].contains("backtrace"), "{name}: {lines:?}");
-    lines[0].clone()
-}
-
 #[test]
 fn more_ranks_than_micro_batches() {
     let e = fails("step01-data-parallel", 3, &["--micro-batches", "2"], "bad-ranks");

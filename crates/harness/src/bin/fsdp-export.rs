@@ -1,0 +1,64 @@
+//! `fsdp-export`: one consolidated weights file from a sharded checkpoint.
+//!
+//! ```text
+//! target/release/fsdp-export --ckpt out/ckpt --out model.safetensors
+//! target/release/fsdp-eval --weights model.safetensors
+//! ```
+//! The checkpoint may come from any lesson and any world size: its shards
+//! are checked (size, SHA-256), reassembled in rank order, and the fp32
+//! master weights written with nanoGPT's names (`transformer.h.0.attn.c_attn.weight`, …).
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::bail;
+use clap::Parser;
+use fsdp_gpt::GptConfig;
+
+/// Writes a sharded checkpoint's weights as one safetensors file with nanoGPT names.
+#[derive(Debug, Parser)]
+#[command(name = "fsdp-export")]
+struct Args {
+    /// A --ckpt folder (its `latest` checkpoint) or one of its step-* folders.
+    #[arg(long)]
+    ckpt: PathBuf,
+    /// The consolidated weights file to write (written atomically).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) if !e.use_stderr() => {
+            print!("{}", e.render());
+            return Ok(());
+        }
+        Err(e) => bail!("{} (see --help)", e.render().to_string().lines().next().unwrap_or("").trim_start_matches("error: ")),
+    };
+    let (meta, state) = fsdp_harness::checkpoint::read(&args.ckpt)?;
+    let m = &meta.model;
+    let cfg = GptConfig { vocab_size: m.vocab_size, block_size: m.block_size, n_layer: m.n_layer, n_head: m.n_head, n_embd: m.n_embd };
+    fsdp_gpt::checkpoint::save(&args.out, &cfg, &meta.data.vocab, &state.master)?;
+    println!(
+        "{}: {} at step {}, {} shard file(s) from {} rank(s) → {} ({} params, digest {:016x})",
+        state.from.display(),
+        meta.lesson,
+        state.step,
+        meta.files.len(),
+        meta.world_size,
+        args.out.display(),
+        m.params,
+        fsdp_gpt::params::digest_f32(&state.master)
+    );
+    Ok(())
+}

@@ -1,0 +1,380 @@
+//! Checkpoints: resume is exact in every lesson; a checkpoint saved at N
+//! ranks continues at M ranks bit for bit; a killed rank ends the job and the
+//! last checkpoint resumes; a kill during a save leaves the previous one; a
+//! damaged or mismatched checkpoint is refused with one line, touching nothing.
+mod common;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Small steps: 24 micro-batches of 2 × 16 tokens (1, 2, 3, 4 ranks divide them).
+const RUN: &[&str] = &["--batch-size", "2", "--seq-len", "16", "--micro-batches", "24", "--log-every", "1"];
+
+fn args<'a>(steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = RUN.to_vec();
+    v.extend(["--steps", steps]);
+    v.extend(extra);
+    v
+}
+
+/// A checkpoint folder for a test (not created: the lesson creates it).
+fn ckpt_dir(name: &str) -> PathBuf {
+    let d = root().join("target").join("test-out").join(format!("{name}-ckpt"));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn train(package: &str, ranks: usize, steps: &str, extra: &[&str], name: &str) -> PathBuf {
+    let (o, out) = mpirun(package, ranks, &args(steps, extra), name);
+    ok_stdout(&o);
+    out
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn latest(ck: &Path) -> String {
+    std::fs::read_to_string(ck.join("latest")).unwrap().trim().to_string()
+}
+
+/// Every file under `dir` with its bytes: to prove a failed resume touched nothing.
+fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap().filter_map(Result::ok) {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files(&p));
+        } else {
+            out.insert(p.clone(), std::fs::read(&p).unwrap());
+        }
+    }
+    out
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().filter_map(Result::ok) {
+        let dest = to.join(e.file_name());
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
+        }
+    }
+}
+
+#[test]
+fn resume_is_exact_in_every_lesson() {
+    for (pkg, extra) in [
+        ("step01-data-parallel", vec![]),
+        ("step02-whole-model-shard", vec![]), // with its replicated --check reference, resumed too
+        ("step03-layerwise-shard", vec!["--no-plot"]),
+        ("step04-optimizer-state-shard", vec![]), // ZeRO-3, bf16
+    ] {
+        let tag = &pkg[..6];
+        let full = train(pkg, 2, "4", &extra, &format!("resume-{tag}-full"));
+        let ck = ckpt_dir(&format!("resume-{tag}"));
+        let first: Vec<&str> = extra.iter().copied().chain(["--ckpt", s(&ck)]).collect();
+        train(pkg, 2, "2", &first, &format!("resume-{tag}-first"));
+        assert_eq!(latest(&ck), "step-000002", "{pkg}");
+        let second: Vec<&str> = extra.iter().copied().chain(["--resume", s(&ck)]).collect();
+        let resumed = train(pkg, 2, "4", &second, &format!("resume-{tag}-second"));
+        assert_eq!(digest(&resumed), digest(&full), "{pkg}: stopped at step 2 and resumed, the weights differ");
+        let bytes = |d: &Path| std::fs::read(d.join("weights.safetensors")).unwrap();
+        assert!(bytes(&resumed) == bytes(&full), "{pkg}: weights files differ");
+        // The resumed run trained steps 3 and 4, with the uninterrupted run's losses, bit for bit.
+        let (r, f) = (report(&resumed), report(&full));
+        assert_eq!(r["first_step"], 3, "{pkg}");
+        assert_eq!(r["losses"].as_array().unwrap()[..], f["losses"].as_array().unwrap()[2..], "{pkg}");
+        if pkg.starts_with("step02") {
+            assert_eq!(r["max_divergence"], 0.0, "the resumed replicated reference agrees");
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_reshards_to_any_world_size_bit_for_bit() {
+    // With 12 sum groups the gradient sums round the same at 1, 2, 3 and 4 ranks,
+    // and lessons 01–04 (fp32) all compute the same weights.
+    let g = ["--sum-groups", "12"];
+    let reference = digest(&train("step01-data-parallel", 1, "4", &g, "reshard-reference"));
+    let at3 = train("step03-layerwise-shard", 3, "4", &[&g[..], &["--no-plot"]].concat(), "reshard-uninterrupted-3");
+    assert_eq!(digest(&at3), reference, "one uninterrupted run at 3 ranks");
+    let fp32_zero = ["--precision", "fp32"];
+    for (pkg, before, after, first_extra, second_extra) in [
+        ("step03-layerwise-shard", 2, 4, vec!["--no-plot"], vec!["--no-plot"]),
+        ("step03-layerwise-shard", 4, 3, vec!["--no-plot"], vec!["--no-plot", "--blocks-per-unit", "2"]),
+        ("step03-layerwise-shard", 3, 1, vec!["--no-plot"], vec!["--no-plot"]),
+        ("step01-data-parallel", 2, 3, vec![], vec![]),
+        ("step02-whole-model-shard", 1, 2, vec!["--no-check"], vec![]),
+        // A ZeRO-1 checkpoint from 4 ranks continues as ZeRO-3 on 2: the stage is not in the arithmetic.
+        ("step04-optimizer-state-shard", 4, 2, vec!["--stage", "1"], vec!["--stage", "3"]),
+    ] {
+        let name = format!("reshard-{}-{before}-{after}", &pkg[..6]);
+        let ck = ckpt_dir(&name);
+        let zero: &[&str] = if pkg.starts_with("step04") { &fp32_zero } else { &[] };
+        let first: Vec<&str> = [&g[..], zero, &first_extra, &["--ckpt", s(&ck)]].concat();
+        train(pkg, before, "2", &first, &format!("{name}-first"));
+        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("step-000002/meta.json")).unwrap()).unwrap();
+        assert_eq!(meta["world_size"], before);
+        assert_eq!(meta["files"].as_array().unwrap().len(), before);
+        // No --sum-groups here: the checkpoint's 12 groups are taken over.
+        let second: Vec<&str> = [zero, &second_extra, &["--resume", s(&ck)]].concat();
+        let out = train(pkg, after, "4", &second, &format!("{name}-second"));
+        assert_eq!(digest(&out), reference, "{pkg}: saved at {before} ranks, resumed at {after}");
+    }
+}
+
+#[test]
+fn the_default_grouping_reshards_to_divisors_and_refuses_the_rest() {
+    // Default: one sum group per rank. Saved at 2 ranks, the grouping is 2:
+    // 1 rank can reproduce it (two groups in one process), 4 cannot.
+    let full = train("step02-whole-model-shard", 2, "4", &["--no-check"], "default-groups-full");
+    let ck = ckpt_dir("default-groups");
+    train("step02-whole-model-shard", 2, "2", &["--no-check", "--ckpt", s(&ck)], "default-groups-first");
+    let one = train("step02-whole-model-shard", 1, "4", &["--no-check", "--resume", s(&ck)], "default-groups-at-1");
+    assert_eq!(digest(&one), digest(&full));
+    let e = fails("step02-whole-model-shard", 4, &args("4", &["--resume", s(&ck)]), "default-groups-at-4");
+    assert!(e.contains("in 2 group(s); 4 ranks cannot split them") && e.contains("--sum-groups"), "{e}");
+}
+
+#[test]
+fn save_every_and_keep_leave_the_newest_checkpoints_and_export_consolidates_them() {
+    let ck = ckpt_dir("keep");
+    let out = train("step03-layerwise-shard", 3, "5", &["--no-plot", "--ckpt", s(&ck), "--save-every", "1", "--keep", "2"], "keep");
+    let mut left: Vec<String> = std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
+    left.sort();
+    assert_eq!(left, ["latest", "step-000004", "step-000005"]);
+    assert_eq!(latest(&ck), "step-000005");
+    let shards: Vec<String> = std::fs::read_dir(ck.join("step-000005")).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
+    assert_eq!(shards.len(), 4, "meta.json and three shards: {shards:?}");
+
+    // fsdp-export: one nanoGPT-named file with the run's final weights.
+    let exported = out.join("exported.safetensors");
+    let o = Command::new(binary("fsdp-export")).args(["--ckpt", s(&ck), "--out", s(&exported)]).output().unwrap();
+    let stdout = ok_stdout(&o);
+    assert!(stdout.contains("step03-layerwise-shard at step 5, 3 shard file(s) from 3 rank(s)"), "{stdout}");
+    let w = fsdp_gpt::checkpoint::load(&exported).unwrap(); // checks every nanoGPT name and shape
+    assert_eq!(format!("{:016x}", fsdp_gpt::params::digest_f32(&w.flat)), digest(&out));
+    assert!(std::fs::read(&exported).unwrap() == std::fs::read(out.join("weights.safetensors")).unwrap(), "the same file as the run's own weights");
+}
+
+/// The rank processes mpirun started (its children), from /proc.
+fn children(pid: u32) -> Vec<u32> {
+    let mut v = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().filter_map(Result::ok) {
+        let Ok(child) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        // pid (comm) state ppid …: comm may hold spaces, so split after its ')'.
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            v.push(child);
+        }
+    }
+    v.sort();
+    v
+}
+
+/// Waits for a job to end, at most `limit`; a job still running then is a hang.
+fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> (Output, Duration) {
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            panic!("the job was still running {limit:?} after the fault: a hung rank");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let elapsed = t0.elapsed();
+    let mut out = Output { status: child.wait().unwrap(), stdout: vec![], stderr: vec![] };
+    use std::io::Read;
+    child.stderr.take().map(|mut e| e.read_to_end(&mut out.stderr));
+    (out, elapsed)
+}
+
+fn spawn(package: &str, ranks: usize, args: &[&str], name: &str, env: &[(&str, &str)]) -> std::process::Child {
+    let out = out_dir(name);
+    let tmp = root().join("target").join("test-tmp").join(name);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-q", "--oversubscribe", "-n", &ranks.to_string()])
+        .arg(binary(package))
+        .args(args)
+        .arg("--out")
+        .arg(&out)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .env("TMPDIR", &tmp)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("mpirun starts")
+}
+
+#[test]
+fn a_rank_killed_mid_run_ends_the_job_and_the_last_checkpoint_resumes_exactly() {
+    let ck = ckpt_dir("sigkill");
+    let mut job = spawn("step03-layerwise-shard", 2, &args("100000", &["--no-plot", "--ckpt", s(&ck), "--save-every", "2"]), "sigkill", &[]);
+    // Wait for the checkpoint of step 4, then SIGKILL rank 1 while it trains.
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(ck.join("latest")).is_ok_and(|l| l.trim() >= "step-000004") {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint of step 4 after 120 s");
+        assert!(job.try_wait().unwrap().is_none(), "the job ended before the kill");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
+    Command::new("kill").args(["-KILL", &ranks[1].to_string()]).status().unwrap();
+    let (o, took) = wait_at_most(&mut job, Duration::from_secs(30));
+    assert!(!o.status.success(), "a job with a killed rank must fail");
+    eprintln!("SIGKILL of rank 1: the job ended {took:?} later");
+
+    // The newest complete checkpoint loads and continues the uninterrupted run exactly.
+    let step: u64 = latest(&ck)["step-".len()..].parse().unwrap();
+    let until = (step + 2).to_string();
+    let resumed = train("step03-layerwise-shard", 2, &until, &["--no-plot", "--resume", s(&ck)], "sigkill-resumed");
+    let full = train("step03-layerwise-shard", 2, &until, &["--no-plot"], "sigkill-uninterrupted");
+    assert_eq!(digest(&resumed), digest(&full), "resumed from step {step}");
+}
+
+#[test]
+fn a_kill_during_a_save_leaves_the_previous_checkpoint_valid() {
+    let ck = ckpt_dir("kill-in-save");
+    let run = args("6", &["--no-plot", "--ckpt", s(&ck), "--save-every", "2"]);
+    let mut job = spawn("step03-layerwise-shard", 2, &run, "kill-in-save", &[("FSDP_FAILPOINT", "kill-during-save:4")]);
+    let (o, _) = wait_at_most(&mut job, Duration::from_secs(120));
+    assert!(!o.status.success());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("failpoint: rank 1 kills itself (SIGKILL) during the save of step 4"), "{stderr}");
+    // Step 4's shards were half written; `latest` still names step 2, complete.
+    assert_eq!(latest(&ck), "step-000002");
+    assert!(ck.join(".step-000004.partial").is_dir(), "the killed save's partial folder");
+    assert!(!ck.join("step-000004").exists());
+    let resumed = train("step03-layerwise-shard", 2, "6", &["--no-plot", "--resume", s(&ck), "--ckpt", s(&ck)], "kill-in-save-resumed");
+    let full = train("step03-layerwise-shard", 2, "6", &["--no-plot"], "kill-in-save-uninterrupted");
+    assert_eq!(digest(&resumed), digest(&full));
+    assert!(!ck.join(".step-000004.partial").exists(), "the next save cleared the partial folder");
+    assert_eq!(latest(&ck), "step-000006");
+}
+
+/// A good checkpoint of lesson 03 (2 ranks, step 2), copied to `name` for damaging.
+fn good_checkpoint(name: &str) -> PathBuf {
+    let ck = ckpt_dir(&format!("{name}-good"));
+    train("step03-layerwise-shard", 2, "2", &["--no-plot", "--ckpt", s(&ck)], &format!("{name}-good"));
+    let copy = ckpt_dir(name);
+    copy_dir(&ck, &copy);
+    copy
+}
+
+/// Resuming `ck` with `extra` must fail with one line containing `expect`, and leave `ck` as it was.
+fn refused(package: &str, ck: &Path, extra: &[&str], name: &str, expect: &str) -> String {
+    let before = files(ck);
+    let mut a: Vec<&str> = extra.to_vec();
+    a.extend(["--resume", s(ck)]);
+    let e = fails(package, 2, &args("4", &a), name);
+    assert!(e.contains(expect), "{name}: {e}");
+    assert!(files(ck) == before, "{name}: the checkpoint folder changed");
+    e
+}
+
+#[test]
+fn damaged_checkpoints_are_refused_with_one_line_and_left_untouched() {
+    let ck = good_checkpoint("damaged");
+    let step = ck.join("step-000002");
+    let shard1 = step.join("shard-001-of-002.safetensors");
+
+    // One flipped byte in the middle of a shard.
+    let mut data = std::fs::read(&shard1).unwrap();
+    let original = data.clone();
+    let mid = data.len() / 2;
+    data[mid] ^= 0x40;
+    std::fs::write(&shard1, &data).unwrap();
+    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-flip", "shard shard-001-of-002.safetensors fails its SHA-256 check: the file is corrupt");
+    std::fs::write(&shard1, &original).unwrap();
+
+    // A truncated shard.
+    std::fs::write(&shard1, &original[..original.len() / 3]).unwrap();
+    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-truncated", "the file is truncated or replaced");
+    std::fs::write(&shard1, &original).unwrap();
+
+    // A checksum in meta.json that does not match.
+    let meta_path = step.join("meta.json");
+    let meta = std::fs::read_to_string(&meta_path).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&meta).unwrap();
+    let sha = v["files"][0]["sha256"].as_str().unwrap();
+    std::fs::write(&meta_path, meta.replace(sha, &"0".repeat(64))).unwrap();
+    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-checksum", "shard shard-000-of-002.safetensors fails its SHA-256 check");
+
+    // meta.json that is not JSON; and a missing shard.
+    std::fs::write(&meta_path, "{ not json").unwrap();
+    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-meta", "meta.json is not valid");
+    std::fs::write(&meta_path, &meta).unwrap();
+    std::fs::remove_file(&shard1).unwrap();
+    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-missing", "cannot read shard shard-001-of-002.safetensors");
+    std::fs::write(&shard1, &original).unwrap();
+
+    // Restored, it resumes.
+    train("step03-layerwise-shard", 2, "3", &["--no-plot", "--resume", s(&ck)], "damaged-restored");
+}
+
+#[test]
+fn mismatched_checkpoints_are_refused_naming_the_flag() {
+    let ck = good_checkpoint("mismatch");
+    let e = refused("step03-layerwise-shard", &ck, &["--preset", "small"], "mismatch-preset", "pass --preset tiny to resume it");
+    assert_eq!(e, format!("error: checkpoint {} was trained with --preset tiny; this run has --preset small: pass --preset tiny to resume it", ck.display()));
+    refused("step03-layerwise-shard", &ck, &["--weight-decay", "0.1"], "mismatch-decay", "was trained with --weight-decay 0.01; this run has --weight-decay 0.1");
+    let other_batch = ["--batch-size", "4", "--seq-len", "16", "--micro-batches", "24", "--steps", "4", "--no-plot", "--resume", s(&ck)];
+    let e = fails("step03-layerwise-shard", 2, &other_batch, "mismatch-batch");
+    assert!(e.contains("was trained with --batch-size 2; this run has --batch-size 4: pass --batch-size 2 to resume it"), "{e}");
+    refused("step03-layerwise-shard", &ck, &["--seed", "7"], "mismatch-seed", "pass --seed 1337");
+    refused("step03-layerwise-shard", &ck, &["--lr", "0.002"], "mismatch-lr", "pass --lr 0.001");
+    let text = root().join("target").join("test-out").join("mismatch-data.txt");
+    std::fs::write(&text, "To be, or not to be, that is the question. ".repeat(40)).unwrap();
+    refused("step03-layerwise-shard", &ck, &["--data", s(&text)], "mismatch-data", "was trained on other data (generated: 262200 chars, vocab 65)");
+    // A checkpoint of another lesson.
+    refused("step02-whole-model-shard", &ck, &[], "mismatch-lesson", "was written by step03-layerwise-shard, not step02-whole-model-shard");
+    // Nothing left to train.
+    let e = fails("step03-layerwise-shard", 2, &args("2", &["--resume", s(&ck)]), "mismatch-steps");
+    assert!(e.contains("is at step 2; --steps 2 leaves nothing to train: pass --steps 3 or more"), "{e}");
+    // Lesson 04's precision is part of its arithmetic.
+    let ck4 = ckpt_dir("mismatch-precision");
+    train("step04-optimizer-state-shard", 2, "2", &["--ckpt", s(&ck4)], "mismatch-precision-good");
+    refused("step04-optimizer-state-shard", &ck4, &["--precision", "fp32"], "mismatch-precision", "was trained with --precision bf16; this run has --precision fp32");
+}
+
+#[test]
+fn checkpoint_flags_out_of_range() {
+    let e = fails("step01-data-parallel", 2, &args("2", &["--save-every", "1"]), "ckflag-no-ckpt");
+    assert_eq!(e, "error: --save-every needs --ckpt DIR: the folder to write checkpoints into");
+    let e = fails("step02-whole-model-shard", 2, &args("2", &["--ckpt", "x", "--keep", "0"]), "ckflag-keep");
+    assert!(e.contains("'0' for '--keep <N>'"), "{e}");
+    let e = fails("step03-layerwise-shard", 2, &args("2", &["--resume", "/nonexistent/ckpt"]), "ckflag-resume-missing");
+    assert!(e.contains("--resume /nonexistent/ckpt: no such folder"), "{e}");
+    let empty = ckpt_dir("ckflag-empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = fails("step04-optimizer-state-shard", 2, &args("2", &["--resume", s(&empty)]), "ckflag-resume-empty");
+    assert!(e.contains("no checkpoint there (no meta.json, no `latest` pointer)"), "{e}");
+    let e = fails("step01-data-parallel", 2, &args("2", &["--ckpt", "/proc/no-such-place"]), "ckflag-unwritable");
+    assert!(e.contains("--ckpt /proc/no-such-place: cannot write there"), "{e}");
+    let e = fails("step03-layerwise-shard", 2, &args("2", &["--sum-groups", "5"]), "ckflag-groups-divide");
+    assert!(e.contains("--sum-groups 5 must divide --micro-batches 24"), "{e}");
+    let e = fails("step02-whole-model-shard", 2, &args("2", &["--sum-groups", "3"]), "ckflag-groups-split");
+    assert!(e.contains("--sum-groups 3 does not split among 2 ranks"), "{e}");
+    let e = fails("step01-data-parallel", 2, &args("2", &["--sum-groups", "4", "--reduce", "native"]), "ckflag-groups-native");
+    assert!(e.contains("--reduce native sums one buffer per rank"), "{e}");
+    // A fresh run must not write over another run's checkpoints.
+    let ck = ckpt_dir("ckflag-occupied");
+    train("step01-data-parallel", 1, "1", &["--ckpt", s(&ck)], "ckflag-occupied-first");
+    let before = files(&ck);
+    let e = fails("step01-data-parallel", 2, &args("2", &["--ckpt", s(&ck)]), "ckflag-occupied");
+    assert!(e.contains("already holds checkpoints of another run: pass --resume"), "{e}");
+    assert!(files(&ck) == before);
+}
