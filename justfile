@@ -76,6 +76,33 @@ fits BUDGET="150MB": build
     # The demo succeeds when the budget separates them: data parallel fails, ZeRO-3 trains.
     [ $dp -eq 2 ] && [ $z3 -eq 0 ] || { echo "with {{BUDGET}} the budget does not separate data parallel (exit $dp) from ZeRO-3 (exit $z3)"; exit 1; }
 
+# Checkpoint on FROM ranks, resume on TO ranks: the same weights, bit for bit, as one uninterrupted run.
+reshard NN="03" FROM="2" TO="4": build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    dir=$(ls -d crates/{{NN}}-* 2>/dev/null | head -n1) || true
+    if [ -z "$dir" ]; then echo "error: no lesson {{NN}}" >&2; exit 2; fi
+    bin="target/release/step${dir#crates/}"
+    gcd() { local a=$1 b=$2; while [ "$b" -ne 0 ]; do local t=$b; b=$((a % b)); a=$t; done; echo "$a"; }
+    # One sum grouping both world sizes can reproduce: G = lcm(FROM, TO), and M a multiple of G.
+    g=$(( {{FROM}} * {{TO}} / $(gcd {{FROM}} {{TO}}) )); m=$(( g * ((4 + g - 1) / g) ))
+    args=(--steps 20 --sum-groups "$g" --micro-batches "$m" --log-every 5)
+    rm -rf out/reshard; mkdir -p out/reshard
+    show() { grep -E '^step |^checkpoint:|final weights digest|resumed from|gradient sum groups' | sed -E 's/, [0-9]+\.[0-9]+ s\)/)/; s/^│ *([a-z ]+[a-z]) *│ *(.*[^ ]) *│$/\1: \2/'; }
+    digest() { grep -o '"weights_digest": "[0-9a-f]*"' "$1/report.json" | cut -d'"' -f4; }
+    echo "== 1. uninterrupted: 20 steps on {{FROM}} ranks (${bin#target/release/}, --sum-groups $g --micro-batches $m)"
+    mpirun -q --oversubscribe -n {{FROM}} "$bin" "${args[@]}" --out out/reshard/uninterrupted < /dev/null | show
+    echo; echo "== 2. the same run, stopped after step 10, checkpointing every 5 steps"
+    mpirun -q --oversubscribe -n {{FROM}} "$bin" "${args[@]/#20/10}" --ckpt out/reshard/ckpt --save-every 5 --out out/reshard/first < /dev/null | show
+    echo; echo "== 3. resumed on {{TO}} ranks: steps 11 to 20"
+    mpirun -q --oversubscribe -n {{TO}} "$bin" --steps 20 --micro-batches "$m" --log-every 5 --resume out/reshard/ckpt --ckpt out/reshard/ckpt --out out/reshard/resumed < /dev/null | show
+    echo; echo "== 4. the last checkpoint as one file with nanoGPT's names, and its loss"
+    target/release/fsdp-export --ckpt out/reshard/ckpt --out out/reshard/model.safetensors | sed 's/^[^:]*: //'
+    target/release/fsdp-eval --weights out/reshard/model.safetensors
+    a=$(digest out/reshard/uninterrupted); b=$(digest out/reshard/resumed)
+    echo
+    if [ "$a" = "$b" ]; then echo "uninterrupted $a = resumed $b: bit for bit"; else echo "uninterrupted $a ≠ resumed $b"; exit 1; fi
+
 # Measure every lesson (1, 2, 4 ranks; tiny and small): writes out/bench/bench.md, bench.json and plots.
 bench *ARGS: build
     #!/usr/bin/env bash

@@ -54,4 +54,32 @@ just fits 2>/dev/null > "$gen/04-fits.txt"
     done
 } > "$gen/04-precision-cost.txt"
 echo "· 04-precision-cost"
+# Checkpoints: saved on 2 ranks, resumed on 4, and what a checkpoint holds.
+echo "· appendix-reshard"
+just reshard 03 2 4 2>/dev/null > "$gen/appendix-reshard.txt"
+python3 - out/reshard/ckpt > "$gen/appendix-ckpt-files.txt" <<'PY'
+import json, os, sys
+root = sys.argv[1]
+for d in sorted(os.listdir(root)):
+    p = os.path.join(root, d)
+    if os.path.isdir(p):
+        print(f"{d}/")
+        for f in sorted(os.listdir(p)):
+            print(f"    {f:<32} {os.path.getsize(os.path.join(p, f)):>12,} bytes")
+    else:
+        print(f"{d:<36} -> {open(p).read().strip()}")
+meta = json.load(open(os.path.join(root, open(os.path.join(root, "latest")).read().strip(), "meta.json")))
+meta["data"]["vocab"] = meta["data"]["vocab"][:12] + "…"
+for u in meta["units"]:
+    u["params"] = f"[{u['params'][0]}, …, {u['params'][-1]}] ({len(u['params'])} tensors)"
+meta["files"] = meta["files"][:2] + (["…"] if len(meta["files"]) > 2 else [])
+print("\nmeta.json (long lists shortened):")
+for k, v in meta.items():
+    if isinstance(v, list):
+        print(f"  {k}:")
+        for x in v:
+            print(f"    {json.dumps(x, ensure_ascii=False)}")
+    else:
+        print(f"  {k}: {json.dumps(v, ensure_ascii=False)}")
+PY
 echo "wrote $(ls "$gen" | wc -l) files under $gen"

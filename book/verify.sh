@@ -44,6 +44,7 @@ import difflib, re, sys
 def mask(line):
     line = re.sub(r"[0-9][0-9,]* tok/s", "[tok/s]", line)
     line = re.sub(r"[0-9]+\.[0-9]+ ms", "[ms]", line)
+    line = re.sub(r"[0-9]+\.[0-9]+ s\)", "[s])", line)
     if "peak RSS" in line:
         line = re.sub(r"[0-9]+\.[0-9]+ MB", "[MB]", line)
     return line

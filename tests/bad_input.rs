@@ -90,3 +90,19 @@ fn zero_stage_precision_and_budget_out_of_range() {
     let e = fails("step04-optimizer-state-shard", 2, &["--mem-budget", "12parsecs"], "bad-budget");
     assert!(e.contains("`12parsecs` is not a size"), "{e}");
 }
+
+#[test]
+fn budget_below_the_model_size() {
+    // 1 MB cannot hold even lesson 03's shards of the tiny model: the first
+    // step stops every rank with one out-of-memory line, and no report is written.
+    let e = fails("step03-layerwise-shard", 2, &["--steps", "3", "--mem-budget", "1MB", "--no-plot"], "bad-budget-small");
+    assert!(e.starts_with("error: out of memory on rank 0: needed ") && e.contains("budget 1.00 MB") && e.contains("(step 1;"), "{e}");
+}
+
+#[test]
+fn unwritable_out_folder_and_data_that_is_a_folder() {
+    let e = fails("step04-optimizer-state-shard", 2, &["--out", "/proc/no-such-place"], "bad-out");
+    assert!(e.contains("cannot create --out folder /proc/no-such-place"), "{e}");
+    let e = fails("step02-whole-model-shard", 2, &["--data", "/tmp"], "bad-data-folder");
+    assert!(e.contains("/tmp"), "{e}");
+}

@@ -42,12 +42,13 @@ pub fn mpirun(package: &str, ranks: usize, args: &[&str], name: &str) -> (Output
     cmd.args(["-q", "--oversubscribe", "-n", &ranks.to_string()])
         .arg(binary(package))
         .args(args)
-        .arg("--out")
-        .arg(&out)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("RAYON_NUM_THREADS", "1")
         .env("TMPDIR", &tmp);
+    if !args.contains(&"--out") {
+        cmd.arg("--out").arg(&out);
+    }
     let o = cmd.output().expect("mpirun runs (install Open MPI: `just setup`)");
     (o, out)
 }

@@ -74,6 +74,7 @@ impl FsdpUnit {
         Self { name, params, ranges, blocks, layout, master, grad, opt, precision, resident: None }
     }
 
+    // ANCHOR: restore
     /// `--resume`: my shard of the checkpoint's AdamW `m` and `v` (in model
     /// order, saved at any world size), cut exactly as the weights are.
     pub fn restore_moments(&mut self, table: &ParamTable, r: &Resumed, rank: usize) {
@@ -81,6 +82,7 @@ impl FsdpUnit {
         self.opt.v = unit_shard(table, &self.params, &r.v, self.layout, rank);
         self.opt.t = r.t;
     }
+    // ANCHOR_END: restore
 
     /// My shard of the weights and of AdamW's state, for a checkpoint.
     pub fn checkpoint_piece(&self) -> ShardPiece<'_> {

@@ -175,7 +175,7 @@ impl<'w> Session<'w> {
             let budget = self.args.mem_budget.unwrap_or(0);
             eprintln!(
                 "error: out of memory on rank {rank}: needed {}, budget {}, live {} (step {step}; pass a larger --mem-budget, more ranks, or a higher ZeRO stage)",
-                crate::table::mb(r[1]),
+                if r[1] < 10_000 { format!("{} B", r[1]) } else { crate::table::mb(r[1]) },
                 crate::table::mb(budget),
                 crate::table::mb(r[2])
             );
