@@ -83,7 +83,6 @@ impl<'w> Session<'w> {
         }
         let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
         let table = ParamTable::new(&cfg);
-        crate::checkpointing::check_paths(world, &args)?;
         let loaded: Option<(Meta, Resumed)> = match &args.resume {
             Some(dir) => Some(crate::checkpoint::read(dir)?),
             None => None,
@@ -110,6 +109,7 @@ impl<'w> Session<'w> {
             s.first_step = resumed.step + 1;
             s.resumed = RefCell::new(Some(resumed));
         }
+        crate::checkpointing::check_paths(world, &s.args)?; // last: it creates the --ckpt folder
         crate::alloc::set_budget(s.args.mem_budget.map(|b| b as usize));
         Ok(s)
     }
