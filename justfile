@@ -86,14 +86,14 @@ reshard NN="03" FROM="2" TO="4": build
     gcd() { local a=$1 b=$2; while [ "$b" -ne 0 ]; do local t=$b; b=$((a % b)); a=$t; done; echo "$a"; }
     # One sum grouping both world sizes can reproduce: G = lcm(FROM, TO), and M a multiple of G.
     g=$(( {{FROM}} * {{TO}} / $(gcd {{FROM}} {{TO}}) )); m=$(( g * ((4 + g - 1) / g) ))
-    args=(--steps 20 --sum-groups "$g" --micro-batches "$m" --log-every 5)
+    args=(--sum-groups "$g" --micro-batches "$m" --log-every 5)
     rm -rf out/reshard; mkdir -p out/reshard
     show() { grep -E '^step |^checkpoint:|final weights digest|resumed from|gradient sum groups' | sed -E 's/, [0-9]+\.[0-9]+ s\)/)/; s/^│ *([a-z ]+[a-z]) *│ *(.*[^ ]) *│$/\1: \2/'; }
     digest() { grep -o '"weights_digest": "[0-9a-f]*"' "$1/report.json" | cut -d'"' -f4; }
     echo "== 1. uninterrupted: 20 steps on {{FROM}} ranks (${bin#target/release/}, --sum-groups $g --micro-batches $m)"
-    mpirun -q --oversubscribe -n {{FROM}} "$bin" "${args[@]}" --out out/reshard/uninterrupted < /dev/null | show
+    mpirun -q --oversubscribe -n {{FROM}} "$bin" --steps 20 "${args[@]}" --out out/reshard/uninterrupted < /dev/null | show
     echo; echo "== 2. the same run, stopped after step 10, checkpointing every 5 steps"
-    mpirun -q --oversubscribe -n {{FROM}} "$bin" "${args[@]/#20/10}" --ckpt out/reshard/ckpt --save-every 5 --out out/reshard/first < /dev/null | show
+    mpirun -q --oversubscribe -n {{FROM}} "$bin" --steps 10 "${args[@]}" --ckpt out/reshard/ckpt --save-every 5 --out out/reshard/first < /dev/null | show
     echo; echo "== 3. resumed on {{TO}} ranks: steps 11 to 20"
     mpirun -q --oversubscribe -n {{TO}} "$bin" --steps 20 --micro-batches "$m" --log-every 5 --resume out/reshard/ckpt --ckpt out/reshard/ckpt --out out/reshard/resumed < /dev/null | show
     echo; echo "== 4. the last checkpoint as one file with nanoGPT's names, and its loss"

@@ -278,7 +278,7 @@ fn good_checkpoint(name: &str) -> PathBuf {
 fn refused(package: &str, ck: &Path, extra: &[&str], name: &str, expect: &str) -> String {
     let before = files(ck);
     let mut a: Vec<&str> = extra.to_vec();
-    a.extend(["--resume", s(ck)]);
+    a.extend(["--resume", s(ck), "--ckpt", s(ck)]); // saving back into it is allowed, and must not happen
     let e = fails(package, 2, &args("4", &a), name);
     assert!(e.contains(expect), "{name}: {e}");
     assert!(files(ck) == before, "{name}: the checkpoint folder changed");
@@ -321,6 +321,15 @@ fn damaged_checkpoints_are_refused_with_one_line_and_left_untouched() {
     refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-missing", "cannot read shard shard-001-of-002.safetensors");
     std::fs::write(&shard1, &original).unwrap();
 
+    // A file list out of order (shards would land in the wrong place).
+    let swapped = meta.replacen("shard-000-of-002", "shard-XXX-of-002", 1).replacen("shard-001-of-002", "shard-000-of-002", 1).replacen("shard-XXX-of-002", "shard-001-of-002", 1);
+    std::fs::write(&meta_path, swapped).unwrap();
+    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-order", "lists shard-001-of-002.safetensors as rank 0's shard at position 0");
+    // A meta.json that claims another step than its shards were written at.
+    std::fs::write(&meta_path, meta.replace("\"step\": 2", "\"step\": 3").replace("\"t\": 2", "\"t\": 3")).unwrap();
+    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-step", "was not written by rank 0 of 2 at step 3");
+    std::fs::write(&meta_path, &meta).unwrap();
+
     // Restored, it resumes.
     train("step03-layerwise-shard", 2, "3", &["--no-plot", "--resume", s(&ck)], "damaged-restored");
 }
@@ -339,8 +348,10 @@ fn mismatched_checkpoints_are_refused_naming_the_flag() {
     let text = root().join("target").join("test-out").join("mismatch-data.txt");
     std::fs::write(&text, "To be, or not to be, that is the question. ".repeat(40)).unwrap();
     refused("step03-layerwise-shard", &ck, &["--data", s(&text)], "mismatch-data", "was trained on other data (generated: 262200 chars, vocab 65)");
-    // A checkpoint of another lesson.
+    // A checkpoint of another lesson — also at a world size its grouping cannot take: the lesson is named first.
     refused("step02-whole-model-shard", &ck, &[], "mismatch-lesson", "was written by step03-layerwise-shard, not step02-whole-model-shard");
+    let e = fails("step02-whole-model-shard", 4, &args("4", &["--resume", s(&ck)]), "mismatch-lesson-4");
+    assert!(e.contains("was written by step03-layerwise-shard"), "{e}");
     // Nothing left to train.
     let e = fails("step03-layerwise-shard", 2, &args("2", &["--resume", s(&ck)]), "mismatch-steps");
     assert!(e.contains("is at step 2; --steps 2 leaves nothing to train: pass --steps 3 or more"), "{e}");
@@ -377,4 +388,33 @@ fn checkpoint_flags_out_of_range() {
     let e = fails("step01-data-parallel", 2, &args("2", &["--ckpt", s(&ck)]), "ckflag-occupied");
     assert!(e.contains("already holds checkpoints of another run: pass --resume"), "{e}");
     assert!(files(&ck) == before);
+}
+
+#[test]
+fn resuming_an_older_checkpoint_into_its_folder_abandons_the_later_ones() {
+    let ck = ckpt_dir("older");
+    train("step03-layerwise-shard", 2, "4", &["--no-plot", "--ckpt", s(&ck), "--save-every", "1", "--keep", "10"], "older-first");
+    assert_eq!(latest(&ck), "step-000004");
+    let from = ck.join("step-000002");
+    let out = train("step03-layerwise-shard", 2, "3", &["--no-plot", "--resume", s(&from), "--ckpt", s(&ck), "--keep", "10"], "older-resumed");
+    let full = train("step03-layerwise-shard", 2, "3", &["--no-plot"], "older-uninterrupted");
+    assert_eq!(digest(&out), digest(&full));
+    // Step 4 belonged to the abandoned future: gone; step 3 is the new latest.
+    let mut left: Vec<String> = std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
+    left.sort();
+    assert_eq!(left, ["latest", "step-000001", "step-000002", "step-000003"]);
+    assert_eq!(latest(&ck), "step-000003");
+}
+
+#[test]
+fn a_budget_that_fits_training_also_fits_a_resumed_run() {
+    // ZeRO-3 under a budget 5% above its own measured peak: the checkpoint's
+    // full state, read on every rank before the shards are cut, does not count.
+    let full = train("step04-optimizer-state-shard", 2, "4", &[], "budget-full");
+    let peak = report(&full)["measured_peak_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).max().unwrap();
+    let budget = format!("{}", peak + peak / 20);
+    let ck = ckpt_dir("budget");
+    train("step04-optimizer-state-shard", 2, "2", &["--mem-budget", &budget, "--ckpt", s(&ck)], "budget-first");
+    let resumed = train("step04-optimizer-state-shard", 2, "4", &["--mem-budget", &budget, "--resume", s(&ck)], "budget-resumed");
+    assert_eq!(digest(&resumed), digest(&full));
 }

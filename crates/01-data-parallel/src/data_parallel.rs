@@ -99,23 +99,23 @@ impl DataParallel {
     /// data parallelism, one by one.
     pub fn accumulate_step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
         let numel = s.table.numel();
-        let groups = s.sum_groups.groups;
+        let groups = s.sum_groups.groups; // one process: all G sum buffers are mine
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
-        let mut per_group = vec![vec![0.0f32; numel]; groups];
         let mut loss_sum = 0.0;
-        for (g, sum) in per_group.iter_mut().enumerate() {
+        for (g, sum) in self.sums.iter_mut().enumerate() {
+            sum.fill(0.0);
             for k in s.sampler.share(g, groups) {
                 let (loss, grads) = s.forward_backward(&vars, step, k)?;
-                add_grads(&grads, &vars, sum)?;
+                add_grads(&grads, &vars, &mut sum[..numel])?;
                 loss_sum += loss as f64;
             }
         }
         drop(vars);
-        let grads = &mut self.sums[0][..numel];
-        sum_in_rank_order(per_group.iter().map(Vec::as_slice), grads);
+        let mut total = vec![0.0f32; numel];
+        sum_in_rank_order(self.sums.iter().map(|g| &g[..numel]), &mut total);
         let m = s.sampler.micro_batches;
-        scale(grads, m);
-        self.opt.step(&mut self.params, grads);
+        scale(&mut total, m);
+        self.opt.step(&mut self.params, &total);
         Ok((loss_sum / m as f64) as f32)
     }
     // ANCHOR_END: accumulate
@@ -155,8 +155,8 @@ impl DataParallel {
             let send = if k > 1 { k * padded } else { 0 }; // groups are packed per destination
             t.add("comm buffers", k * padded + send + self.grad_shard.len(), 4, "all-to-all receive + own shard");
         }
-        if let Some(r) = simulated_ranks {
-            t.add("per-rank gradient sums", r * numel, 4, "one per simulated rank");
+        if simulated_ranks.is_some() {
+            t.add("sum over the groups", numel, 4, "the simulated all-reduce's result");
         }
         t
     }

@@ -50,13 +50,14 @@ fn main() -> ExitCode {
             Ok(())
         };
         let mut train = args.train.clone();
-        if train.sum_groups.is_none() {
-            train.sum_groups = args.accumulate; // N simulated ranks sum in N groups
+        if train.sum_groups.is_none() && train.resume.is_none() {
+            train.sum_groups = args.accumulate; // N simulated ranks sum in N groups (a checkpoint keeps its own)
         }
         fsdp_harness::edge::agree(world, check(args.train.micro_batches))?;
         let s = Session::with_flags(world, lesson, train, &[("--precision", args.precision.to_string()), ("--reduce", format!("{:?}", args.reduce).to_lowercase())])?;
-        if args.reduce == Reduce::Native && s.sum_groups.per_rank() > 1 {
-            fsdp_harness::edge::agree(world, Err::<(), _>(anyhow::anyhow!("--reduce native sums one buffer per rank: drop --sum-groups or use --reduce ordered")))?;
+        let k = s.sum_groups.per_rank();
+        if args.reduce == Reduce::Native && accumulate.is_none() && k > 1 {
+            fsdp_harness::edge::agree(world, Err::<(), _>(anyhow::anyhow!("--reduce native sums one buffer per rank, but this run sums {k} gradient groups per rank (--sum-groups, or the checkpoint's): use --reduce ordered")))?;
         }
         let mut extra = vec![("all-reduce", format!("{:?}", args.reduce).to_lowercase())];
         if args.precision != Precision::Fp32 {
@@ -81,6 +82,7 @@ fn main() -> ExitCode {
             s.check_memory_budget(step)?;
             if s.checkpoint_due(step) {
                 s.save_checkpoint(step, &dp.checkpoint_pieces(&s))?;
+                run.leave_out_pause(); // the save is not part of the next step's time
             }
             if s.args.check_every > 0 && (step % s.args.check_every == 0 || step == s.args.steps) {
                 dp.check_replicas(&s, step)?;

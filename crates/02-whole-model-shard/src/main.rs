@@ -53,11 +53,12 @@ fn main() -> ExitCode {
             s.check_memory_budget(step)?;
             if s.checkpoint_due(step) {
                 s.save_checkpoint(step, &fsdp.checkpoint_pieces(&s))?;
+                run.leave_out_pause(); // the save is not part of the next step's time
             }
             if let (Some(l), Some(d)) = (r.reference_loss, r.divergence) {
                 ref_losses.push(l);
                 divergence.push(d);
-                if step == 1 || step % s.args.log_every == 0 || step == s.args.steps {
+                if step == s.first_step || step % s.args.log_every == 0 || step == s.args.steps {
                     print0!("           max |sharded − replicated| = {}", sci(d as f64));
                 }
             }

@@ -87,6 +87,7 @@ fn main() -> ExitCode {
             s.check_memory_budget(step)?;
             if s.checkpoint_due(step) {
                 s.save_checkpoint(step, &fsdp.checkpoint_pieces())?;
+                run.leave_out_pause(); // the save is not part of the next step's time
             }
             if let Some(r) = reference.as_mut() {
                 let d = world.untracked(|| -> anyhow::Result<f32> {
@@ -95,7 +96,7 @@ fn main() -> ExitCode {
                     Ok(mine.iter().zip(r.gather_full(world)).map(|(a, b)| (a - b).abs()).fold(0.0, nan_max))
                 })?;
                 divergence.push(d);
-                if step == 1 || step % s.args.log_every == 0 || step == s.args.steps {
+                if step == s.first_step || step % s.args.log_every == 0 || step == s.args.steps {
                     print0!("           max |layer-wise − whole-model| = {}", sci(d as f64));
                 }
             }
@@ -144,7 +145,7 @@ fn main() -> ExitCode {
             let mut whole = WholeModelShard::new(&s, false);
             let mut whole_timeline = MemoryTimeline::off();
             whole_timeline.record(true);
-            whole.step(&s, 1, &mut whole_timeline)?;
+            whole.step(&s, s.first_step, &mut whole_timeline)?;
             whole_timeline.record(false);
             drop(whole);
             timeline_figure(&s, &whole_timeline, &timeline)?;
@@ -167,7 +168,7 @@ fn timeline_figure(s: &Session, whole: &MemoryTimeline, layerwise: &MemoryTimeli
     ];
     let path = s.out.join("memory_timeline.svg");
     fsdp_gpt::checkpoint::write_atomically(&path, fsdp_harness::plot::svg(&charts).as_bytes())?;
-    let json = serde_json::json!({"rank": 0, "step": 1, "whole_model": whole.events, "layerwise": layerwise.events});
+    let json = serde_json::json!({"rank": 0, "step": s.first_step, "whole_model": whole.events, "layerwise": layerwise.events});
     fsdp_gpt::checkpoint::write_atomically(&s.out.join("memory_timeline.json"), serde_json::to_string_pretty(&json)?.as_bytes())?;
     let mut t = Table::new(["one step, rank 0", "measured peak heap", "events"]);
     t.row(["lesson 02 (whole model)".to_string(), mb(peaks[0]), whole.events.len().to_string()]);

@@ -70,6 +70,7 @@ fn main() -> ExitCode {
             s.check_memory_budget(step)?;
             if s.checkpoint_due(step) {
                 s.save_checkpoint(step, &zero.fsdp.checkpoint_pieces())?;
+                run.leave_out_pause(); // the save is not part of the next step's time
             }
         }
         run.finish();

@@ -52,13 +52,15 @@ pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
     let cdt = if c == 2 { "bf16" } else { "fp32" };
     let mut t = MemoryTally::new();
     if stage == 0 {
-        let all_reduce = if n > 1 { sh.numel.div_ceil(n) * (n + 1) } else { 0 };
+        let (shard, g) = (sh.numel.div_ceil(n), sh.sum_groups);
+        // receive (one padded vector per group), the packed send when g > 1, my shard
+        let all_reduce = if n > 1 { g * shard * n + if g > 1 { g * shard * n } else { 0 } + shard } else { 0 };
         t.add("fp32 params (the master)", sh.numel, 4, "replicated")
             .add("AdamW m", sh.numel, 4, "replicated")
             .add("AdamW v", sh.numel, 4, "replicated")
             .add(&format!("compute copy as candle Vars ({cdt})"), sh.numel, c, "whole model")
             .add(&format!("grads of one micro-batch ({cdt})"), sh.numel, c, "whole model")
-            .add("grad sum (fp32)", sh.numel.div_ceil(n) * n, 4, "whole model, all-reduced")
+            .add("grad sum (fp32)", sh.sum_groups * sh.numel.div_ceil(n) * n, 4, "whole model, all-reduced")
             .add("comm buffers", all_reduce, 4, "all-to-all receive + own shard");
         return t;
     }

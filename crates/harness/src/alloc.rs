@@ -83,6 +83,19 @@ pub fn take_window_peak() -> usize {
     WINDOW_PEAK.swap(live, Relaxed).max(live)
 }
 
+/// Runs `f` as host-side work: its allocations neither count against the
+/// budget nor raise the measured peak. For writing a checkpoint: on a GPU
+/// the shards are copied to host memory and serialised there, outside the
+/// device memory the budget and the peak stand for. (Whatever `f` still
+/// holds when it returns is counted from then on, as usual.)
+pub fn host_side<R>(f: impl FnOnce() -> R) -> R {
+    let (budget, peak) = (BUDGET.swap(usize::MAX, Relaxed), PEAK.load(Relaxed));
+    let r = f();
+    PEAK.store(peak.max(LIVE.load(Relaxed)), Relaxed);
+    BUDGET.store(budget, Relaxed);
+    r
+}
+
 /// The first allocation that crossed the budget: what it asked for, and
 /// what was live before it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

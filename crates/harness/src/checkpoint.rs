@@ -174,6 +174,13 @@ pub fn partial_dir(ckpt: &Path, step: u64) -> PathBuf {
     ckpt.join(format!(".{}.partial", step_dir_name(step)))
 }
 
+const SHARD_KEY: &str = "fsdp_shard";
+
+/// The header every shard carries: whose shard of which checkpoint it is.
+fn shard_header(rank: usize, world: usize, step: u64) -> String {
+    format!("{{\"rank\":{rank},\"world\":{world},\"step\":{step}}}")
+}
+
 /// Serialises my shard pieces: tensors `<unit>.master`, `<unit>.m`, `<unit>.v`.
 pub fn shard_bytes(pieces: &[ShardPiece], rank: usize, world: usize, step: u64) -> anyhow::Result<Vec<u8>> {
     let mut bufs: Vec<(String, Vec<u8>)> = vec![];
@@ -184,7 +191,7 @@ pub fn shard_bytes(pieces: &[ShardPiece], rank: usize, world: usize, step: u64) 
     }
     let views: Vec<(String, TensorView)> =
         bufs.iter().map(|(n, b)| Ok((n.clone(), TensorView::new(Dtype::F32, vec![b.len() / 4], b)?))).collect::<anyhow::Result<_>>()?;
-    let meta: HashMap<String, String> = [("fsdp_shard".to_string(), format!("{{\"rank\":{rank},\"world\":{world},\"step\":{step}}}"))].into();
+    let meta: HashMap<String, String> = [(SHARD_KEY.to_string(), shard_header(rank, world, step))].into();
     Ok(safetensors::serialize(views, Some(meta))?)
 }
 
@@ -213,16 +220,39 @@ pub fn commit(ckpt: &Path, meta: &Meta, keep: usize) -> anyhow::Result<PathBuf> 
     write_synced(&partial.join(META), serde_json::to_string_pretty(meta)?.as_bytes())?;
     sync_dir(&partial)?;
     let done = ckpt.join(step_dir_name(meta.step));
-    if done.exists() {
-        // A run resumed from an older checkpoint saves this step again: the old folder goes.
-        std::fs::remove_dir_all(&done).with_context(|| format!("cannot replace {}", done.display()))?;
-    }
     std::fs::rename(&partial, &done)?;
     sync_dir(ckpt)?;
     write_atomically(&ckpt.join(LATEST), format!("{}\n", step_dir_name(meta.step)).as_bytes())?;
     sync_dir(ckpt)?;
-    prune(ckpt, keep, &done)?;
+    prune(ckpt, keep, &done).with_context(|| format!("checkpoint {} is saved, but removing older ones failed", done.display()))?;
     Ok(done)
+}
+
+/// Before saving step `step`: a run resumed from an older checkpoint into
+/// the same folder abandons the checkpoints after it. `latest` is first
+/// moved back to the newest one before `step` (or removed if there is
+/// none), then the abandoned folders go — so `latest` never names a folder
+/// that is being removed.
+pub fn abandon_from(ckpt: &Path, step: u64) -> anyhow::Result<()> {
+    let all = list(ckpt);
+    let (keep, abandon): (Vec<_>, Vec<_>) = all.into_iter().partition(|p| step_of(p).is_some_and(|s| s < step));
+    if abandon.is_empty() {
+        return Ok(());
+    }
+    match keep.last().and_then(|p| p.file_name()).and_then(|n| n.to_str()) {
+        Some(name) => write_atomically(&ckpt.join(LATEST), format!("{name}\n").as_bytes())?,
+        None => std::fs::remove_file(ckpt.join(LATEST)).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })?,
+    }
+    sync_dir(ckpt)?;
+    for p in abandon {
+        std::fs::remove_dir_all(&p).with_context(|| format!("cannot remove abandoned checkpoint {}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// The step of a `step-NNNNNN` folder.
+fn step_of(p: &Path) -> Option<u64> {
+    p.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()
 }
 
 /// The committed checkpoints in `ckpt`, oldest first.
@@ -230,7 +260,7 @@ pub fn list(ckpt: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(ckpt)
         .map(|d| d.filter_map(Result::ok).map(|e| e.path()).filter(|p| is_step_dir(p)).collect())
         .unwrap_or_default();
-    v.sort();
+    v.sort_by_key(|p| step_of(p)); // by number: step-1000000 comes after step-999999
     v
 }
 
@@ -310,8 +340,15 @@ pub fn read(dir: &Path) -> anyhow::Result<(Meta, Resumed)> {
             bail!("checkpoint {at}: meta.json's layout is inconsistent (unit `{}`)", u.name);
         }
     }
-    if seen.iter().any(|s| !s) || meta.files.len() != meta.world_size {
-        bail!("checkpoint {at}: meta.json's layout or file list is incomplete");
+    if seen.iter().any(|s| !s) || meta.world_size == 0 || meta.files.len() != meta.world_size || meta.sum_groups == 0 || meta.adamw.t as u64 != meta.step {
+        bail!("checkpoint {at}: meta.json's layout, file list or counters are inconsistent");
+    }
+    // Shard r must be rank r's file: a swapped or renamed file would put
+    // every element of its shard in the wrong place, silently.
+    for (r, f) in meta.files.iter().enumerate() {
+        if f.rank != r || f.path != shard_file_name(r, meta.world_size) {
+            bail!("checkpoint {at}: meta.json lists {} as rank {}'s shard at position {r}: the file list is out of order", f.path, f.rank);
+        }
     }
     let (mut master, mut m, mut v) = (vec![0f32; numel], vec![0f32; numel], vec![0f32; numel]);
     for f in &meta.files {
@@ -324,6 +361,11 @@ pub fn read(dir: &Path) -> anyhow::Result<(Meta, Resumed)> {
             bail!("checkpoint {at}: shard {} fails its SHA-256 check: the file is corrupt", f.path);
         }
         let st = SafeTensors::deserialize(&data).map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
+        let (_, header) = SafeTensors::read_metadata(&data).map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
+        let expected = shard_header(f.rank, meta.world_size, meta.step);
+        if header.metadata().as_ref().and_then(|m| m.get(SHARD_KEY)) != Some(&expected) {
+            bail!("checkpoint {at}: shard {} was not written by rank {} of {} at step {}", f.path, f.rank, meta.world_size, meta.step);
+        }
         for u in &meta.units {
             let layout = ShardLayout::new(u.numel, meta.world_size);
             let shard = layout.shard(f.rank);

@@ -20,7 +20,11 @@ pub fn check_paths(world: &World, args: &TrainArgs) -> anyhow::Result<()> {
         bail!("--save-every needs --ckpt DIR: the folder to write checkpoints into");
     }
     let Some(dir) = &args.ckpt else { return Ok(()) };
-    let resuming_here = args.resume.as_ref().and_then(|r| checkpoint::resolve(r).ok()).is_some_and(|r| r.parent() == Some(dir.as_path()) || r == *dir);
+    let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let resuming_here = args.resume.as_ref().and_then(|r| checkpoint::resolve(r).ok()).is_some_and(|r| {
+        let (r, d) = (canonical(&r), canonical(dir));
+        r.parent() == Some(d.as_path()) || r == d
+    });
     if !resuming_here && (dir.join("latest").exists() || !checkpoint::list(dir).is_empty()) {
         bail!(
             "--ckpt {} already holds checkpoints of another run: pass --resume {} to continue it, or choose an empty folder",
@@ -29,11 +33,15 @@ pub fn check_paths(world: &World, args: &TrainArgs) -> anyhow::Result<()> {
         );
     }
     if world.is_root() {
+        // Try writing there now rather than after the first steps; leave no
+        // trace (the first save creates the folder for real).
+        let created: Vec<&Path> = dir.ancestors().take_while(|p| !p.as_os_str().is_empty() && !p.exists()).collect();
         let probe = dir.join(".write-test");
-        std::fs::create_dir_all(dir)
-            .and_then(|_| std::fs::write(&probe, b"ok"))
-            .and_then(|_| std::fs::remove_file(&probe))
-            .map_err(|e| anyhow!("--ckpt {}: cannot write there ({e}): pass a writable folder", dir.display()))?;
+        let tried = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&probe, b"ok")).and_then(|_| std::fs::remove_file(&probe));
+        for p in &created {
+            let _ = std::fs::remove_dir(p); // deepest first
+        }
+        tried.map_err(|e| anyhow!("--ckpt {}: cannot write there ({e}): pass a writable folder", dir.display()))?;
     }
     Ok(())
 }
@@ -150,11 +158,12 @@ impl Session<'_> {
     }
 
     /// Saves this rank's `pieces` as part of the checkpoint of `step`
-    /// (every rank calls). Not counted in the traffic: it is not training.
+    /// (every rank calls). Not counted in the traffic, the budget or the
+    /// measured peak: it is not training, and on a GPU it happens in host memory.
     pub fn save_checkpoint(&self, step: u64, pieces: &[ShardPiece]) -> anyhow::Result<()> {
         let w = self.world;
         let Some(ckpt) = self.args.ckpt.as_deref() else { return Ok(()) };
-        w.untracked(|| self.save_untracked(ckpt, step, pieces))
+        crate::alloc::host_side(|| w.untracked(|| self.save_untracked(ckpt, step, pieces)))
     }
 
     fn save_untracked(&self, ckpt: &Path, step: u64, pieces: &[ShardPiece]) -> anyhow::Result<()> {
@@ -164,7 +173,8 @@ impl Session<'_> {
         let prepared = match w.is_root() {
             true => {
                 checkpoint::remove_partials(ckpt);
-                std::fs::create_dir_all(&partial).with_context(|| format!("cannot create checkpoint folder {}", partial.display()))
+                checkpoint::abandon_from(ckpt, step)
+                    .and_then(|_| std::fs::create_dir_all(&partial).with_context(|| format!("cannot create checkpoint folder {}", partial.display())))
             }
             false => Ok(()),
         };

@@ -72,6 +72,12 @@ impl Run {
         }
     }
 
+    /// Restarts the step clock: time since the last step (a checkpoint
+    /// save, a check) is not counted in the next step.
+    pub fn leave_out_pause(&mut self) {
+        self.step_started = Instant::now();
+    }
+
     pub fn finish(&mut self) {
         if let Some(b) = self.bar.take() {
             b.finish_and_clear();

@@ -87,7 +87,6 @@ impl<'w> Session<'w> {
             Some(dir) => Some(crate::checkpoint::read(dir)?),
             None => None,
         };
-        let sum_groups = crate::checkpointing::sum_groups(&args, n, loaded.as_ref().map(|(m, _)| m))?;
         let mut s = Self {
             world,
             lesson: *lesson,
@@ -99,18 +98,24 @@ impl<'w> Session<'w> {
             sampler,
             adamw,
             out,
-            sum_groups,
+            sum_groups: SumGroups::new(n, m, n).map_err(|e| anyhow::anyhow!(e))?, // set below
             first_step: 1,
             resumed: RefCell::new(None),
             lesson_flags,
         };
-        if let Some((meta, resumed)) = loaded {
-            crate::checkpointing::check_resume(&s, &meta)?;
-            s.first_step = resumed.step + 1;
-            s.resumed = RefCell::new(Some(resumed));
+        if let Some((meta, _)) = &loaded {
+            crate::checkpointing::check_resume(&s, meta)?; // first: another lesson's or model's checkpoint says so
         }
-        crate::checkpointing::check_paths(world, &s.args)?; // last: it creates the --ckpt folder
-        crate::alloc::set_budget(s.args.mem_budget.map(|b| b as usize));
+        s.sum_groups = crate::checkpointing::sum_groups(&s.args, n, loaded.as_ref().map(|(m, _)| m))?;
+        crate::checkpointing::check_paths(world, &s.args)?;
+        match loaded {
+            Some((_, resumed)) => {
+                s.first_step = resumed.step + 1;
+                s.resumed = RefCell::new(Some(resumed));
+                // The budget starts once the checkpoint's full state is freed (forget_resumed).
+            }
+            None => crate::alloc::set_budget(s.args.mem_budget.map(|b| b as usize)),
+        }
         Ok(s)
     }
 
@@ -123,9 +128,13 @@ impl<'w> Session<'w> {
         }
     }
 
-    /// Frees the checkpoint's state once the lesson has taken its shards.
+    /// Frees the checkpoint's state once the lesson has taken its shards;
+    /// `--mem-budget` applies from here on (the full state in model order,
+    /// on every rank, is a loading detail, not what training holds).
     pub fn forget_resumed(&self) {
-        self.resumed.borrow_mut().take();
+        if self.resumed.borrow_mut().take().is_some() {
+            crate::alloc::set_budget(self.args.mem_budget.map(|b| b as usize));
+        }
     }
 
     /// One zeroed gradient-sum buffer of `len` elements per sum group of mine.
