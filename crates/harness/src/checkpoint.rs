@@ -413,6 +413,105 @@ fn place(table: &ParamTable, params: &[usize], offset: usize, values: &[f32], mo
 mod tests {
     use super::*;
 
+    fn temp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("fsdp-ckpt-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A unit's shard of a model-order vector, cut as the lessons cut it.
+    fn cut(table: &ParamTable, params: &[usize], full: &[f32], layout: ShardLayout, rank: usize) -> Vec<f32> {
+        let mut flat: Vec<f32> = params.iter().flat_map(|&i| full[table.specs[i].range()].to_vec()).collect();
+        flat.resize(layout.padded, 0.0);
+        flat[layout.shard(rank).range()].to_vec()
+    }
+
+    /// Writes a checkpoint of `step` the way the ranks and rank 0 do, at `world` ranks.
+    fn write_checkpoint(dir: &Path, table: &ParamTable, state: [&[f32]; 3], world: usize, step: u64) -> Meta {
+        let units: Vec<(String, Vec<usize>)> = vec![("tail".into(), (40..table.specs.len()).collect()), ("head".into(), (0..40).rev().collect())];
+        let partial = partial_dir(dir, step);
+        std::fs::create_dir_all(&partial).unwrap();
+        let mut files = vec![];
+        for r in 0..world {
+            let pieces: Vec<ShardPiece> = units
+                .iter()
+                .map(|(name, params)| {
+                    let layout = ShardLayout::new(params.iter().map(|&i| table.specs[i].numel()).sum(), world);
+                    let [master, m, v] = state.map(|x| Cow::Owned(cut(table, params, x, layout, r)));
+                    ShardPiece { name: name.clone(), params: params.clone(), master, m, v }
+                })
+                .collect();
+            let bytes = shard_bytes(&pieces, r, world, step).unwrap();
+            write_synced(&partial.join(shard_file_name(r, world)), &bytes).unwrap();
+            files.push(FileMeta { rank: r, path: shard_file_name(r, world), bytes: bytes.len() as u64, sha256: sha256_hex(&bytes) });
+        }
+        let c = GptConfig::preset("tiny", 65).unwrap();
+        let meta = Meta {
+            format: FORMAT.into(),
+            lesson: "unit-test".into(),
+            step,
+            world_size: world,
+            sum_groups: world,
+            model: ModelMeta { preset: "tiny".into(), vocab_size: 65, block_size: c.block_size, n_layer: c.n_layer, n_head: c.n_head, n_embd: c.n_embd, params: table.numel() },
+            data: DataMeta { source: "generated".into(), vocab: String::new(), tokens: 0, tokens_digest: String::new(), batch_size: 1, seq_len: 1, micro_batches: world, seed: 1, next_step: step + 1 },
+            adamw: AdamWMeta { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, t: step as u32 },
+            lesson_flags: vec![],
+            units: units.iter().map(|(n, p)| UnitMeta { name: n.clone(), params: p.clone(), numel: p.iter().map(|&i| table.specs[i].numel()).sum() }).collect(),
+            files,
+        };
+        commit(dir, &meta, 2).unwrap();
+        meta
+    }
+
+    #[test]
+    fn a_checkpoint_saved_at_3_ranks_reads_back_bit_for_bit_and_damage_is_caught() {
+        use fsdp_gpt::params::digest_f32;
+        let table = ParamTable::new(&GptConfig::preset("tiny", 65).unwrap());
+        let (master, m, v) = (table.init_flat(1), table.init_flat(2), table.init_flat(3));
+        let dir = temp("roundtrip");
+        write_checkpoint(&dir, &table, [&master, &m, &v], 3, 7);
+        assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), "step-000007\n");
+        let (meta, state) = read(&dir).unwrap();
+        assert_eq!((meta.world_size, state.step, state.t, state.saved_world), (3, 7, 7, 3));
+        for (got, want) in [(&state.master, &master), (&state.m, &m), (&state.v, &v)] {
+            assert_eq!(digest_f32(got), digest_f32(want));
+        }
+        // A second save at 2 ranks, then --keep 2 and a third: the oldest goes.
+        write_checkpoint(&dir, &table, [&m, &v, &master], 2, 8);
+        write_checkpoint(&dir, &table, [&v, &master, &m], 1, 9);
+        let names: Vec<String> = list(&dir).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["step-000008", "step-000009"]);
+        assert_eq!(digest_f32(&read(&dir.join("step-000008")).unwrap().1.master), digest_f32(&m));
+        // One flipped bit in a shard: refused, naming the file.
+        let shard = dir.join("step-000008").join(shard_file_name(1, 2));
+        let mut data = std::fs::read(&shard).unwrap();
+        let n = data.len();
+        data[n - 5] ^= 1;
+        std::fs::write(&shard, &data).unwrap();
+        let e = read(&dir.join("step-000008")).unwrap_err().to_string();
+        assert!(e.ends_with("shard shard-001-of-002.safetensors fails its SHA-256 check: the file is corrupt"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn checkpoints_sort_by_step_and_abandoning_moves_latest_first() {
+        let dir = temp("abandon");
+        for s in [5u64, 999_999, 1_000_000] {
+            std::fs::create_dir_all(dir.join(step_dir_name(s))).unwrap();
+        }
+        std::fs::write(dir.join(LATEST), "step-1000000\n").unwrap();
+        let names = |d: &Path| list(d).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>();
+        assert_eq!(names(&dir), ["step-000005", "step-999999", "step-1000000"], "by number, not by name");
+        // Resumed at step 5 and saving step 6: the two later ones are abandoned.
+        abandon_from(&dir, 6).unwrap();
+        assert_eq!(names(&dir), ["step-000005"]);
+        assert_eq!(std::fs::read_to_string(dir.join(LATEST)).unwrap(), "step-000005\n");
+        abandon_from(&dir, 1).unwrap();
+        assert!(names(&dir).is_empty() && !dir.join(LATEST).exists(), "nothing older: no latest");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn placing_shards_of_a_unit_rebuilds_the_model_order() {
         let table = ParamTable::new(&GptConfig::preset("tiny", 65).unwrap());
