@@ -90,7 +90,8 @@ reshard NN="03" FROM="2" TO="4": build
     rm -rf out/reshard; mkdir -p out/reshard
     show() { grep -E '^step |^checkpoint:|final weights digest|resumed from|gradient sum groups' | sed -E 's/, [0-9]+\.[0-9]+ s\)/)/; s/^│ *([a-z ]+[a-z]) *│ *(.*[^ ]) *│$/\1: \2/'; }
     digest() { grep -o '"weights_digest": "[0-9a-f]*"' "$1/report.json" | cut -d'"' -f4; }
-    echo "== 1. uninterrupted: 20 steps on {{FROM}} ranks (${bin#target/release/}, --sum-groups $g --micro-batches $m)"
+    echo "${bin#target/release/}, --sum-groups $g --micro-batches $m"
+    echo; echo "== 1. uninterrupted: 20 steps on {{FROM}} ranks"
     mpirun -q --oversubscribe -n {{FROM}} "$bin" --steps 20 "${args[@]}" --out out/reshard/uninterrupted < /dev/null | show
     echo; echo "== 2. the same run, stopped after step 10, checkpointing every 5 steps"
     mpirun -q --oversubscribe -n {{FROM}} "$bin" --steps 10 "${args[@]}" --ckpt out/reshard/ckpt --save-every 5 --out out/reshard/first < /dev/null | show

@@ -105,6 +105,10 @@ fn a_checkpoint_reshards_to_any_world_size_bit_for_bit() {
     let reference = digest(&train("step01-data-parallel", 1, "4", &g, "reshard-reference"));
     let at3 = train("step03-layerwise-shard", 3, "4", &[&g[..], &["--no-plot"]].concat(), "reshard-uninterrupted-3");
     assert_eq!(digest(&at3), reference, "one uninterrupted run at 3 ranks");
+    // The price: each rank sends its 12 / 3 = 4 group sums, 4× the default reduce-scatter bytes.
+    let r = report(&at3);
+    assert_eq!(r["expected_bytes_per_step"]["reduce_scatter"], 4 * 2_159_632);
+    assert_eq!(r["traffic"]["reduce_scatter"]["bytes_sent"], 4 * 4 * 2_159_632, "4 steps");
     let fp32_zero = ["--precision", "fp32"];
     for (pkg, before, after, first_extra, second_extra) in [
         ("step03-layerwise-shard", 2, 4, vec!["--no-plot"], vec!["--no-plot"]),

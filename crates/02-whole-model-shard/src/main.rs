@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use fsdp_comm::Collective;
 use fsdp_harness::plot::{Chart, Series};
-use fsdp_harness::report::points;
+use fsdp_harness::report::points_from;
 use fsdp_harness::table::{Table, mb, sci, thousands};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Run, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
@@ -96,7 +96,7 @@ fn main() -> ExitCode {
             .json("master_shard_bytes", serde_json::json!(4 * l.shard_len))
             .json("replicated_master_bytes", serde_json::json!(4 * l.numel));
         if check && !args.no_plot {
-            report.chart("shard_vs_replicated.svg", figure(&run.losses, &ref_losses, &divergence, n));
+            report.chart("shard_vs_replicated.svg", figure(s.first_step, &run.losses, &ref_losses, &divergence, n));
         }
         report.finish(Some(&full))
     })
@@ -104,15 +104,15 @@ fn main() -> ExitCode {
 
 /// Left: the two loss curves, on top of each other. Right: their weights'
 /// max difference per step, on an axis centred on zero.
-fn figure(losses: &[f32], reference: &[f32], divergence: &[f32], n: usize) -> Vec<Chart> {
+fn figure(first: u64, losses: &[f32], reference: &[f32], divergence: &[f32], n: usize) -> Vec<Chart> {
     vec![
         Chart {
             title: format!("loss: sharded ({n} ranks) vs replicated"),
             x_label: "step".into(),
             y_label: "loss".into(),
             series: vec![
-                Series { name: "replicated".into(), color: "#1f77b4", points: points(reference), dashed: false },
-                Series { name: "sharded".into(), color: "#ff7f0e", points: points(losses), dashed: true },
+                Series { name: "replicated".into(), color: "#1f77b4", points: points_from(first, reference), dashed: false },
+                Series { name: "sharded".into(), color: "#ff7f0e", points: points_from(first, losses), dashed: true },
             ],
             y_range: None,
         },
@@ -120,7 +120,7 @@ fn figure(losses: &[f32], reference: &[f32], divergence: &[f32], n: usize) -> Ve
             title: "max |sharded − replicated| per step".into(),
             x_label: "step".into(),
             y_label: "max abs difference of weights".into(),
-            series: vec![Series { name: "divergence".into(), color: "#d62728", points: points(divergence), dashed: false }],
+            series: vec![Series { name: "divergence".into(), color: "#d62728", points: points_from(first, divergence), dashed: false }],
             y_range: Some((-1e-6, 1e-6)),
         },
     ]

@@ -15,6 +15,8 @@ static WINDOW_PEAK: AtomicUsize = AtomicUsize::new(0);
 /// that would cross it is recorded as an out-of-memory event.
 static BUDGET: AtomicUsize = AtomicUsize::new(usize::MAX);
 static OVERRUN: AtomicBool = AtomicBool::new(false);
+/// The overrun happened before training began (while the lesson built its state).
+static OVERRUN_BEFORE_TRAINING: AtomicBool = AtomicBool::new(false);
 static OVERRUN_NEEDED: AtomicUsize = AtomicUsize::new(0);
 static OVERRUN_LIVE: AtomicUsize = AtomicUsize::new(0);
 
@@ -103,12 +105,21 @@ pub struct Overrun {
     pub needed: usize,
     pub live: usize,
     pub budget: usize,
+    /// It happened before the first step, while the training state was built.
+    pub before_training: bool,
 }
 
 /// Sets (or, with `None`, lifts) the per-rank heap budget and clears any overrun.
 pub fn set_budget(bytes: Option<usize>) {
     OVERRUN.store(false, Relaxed);
+    OVERRUN_BEFORE_TRAINING.store(false, Relaxed);
     BUDGET.store(bytes.unwrap_or(usize::MAX), Relaxed);
+}
+
+/// Training begins ([`crate::Run::start`]): an overrun so far happened
+/// while the lesson built its state, and is reported as such.
+pub fn training_begins() {
+    OVERRUN_BEFORE_TRAINING.store(OVERRUN.load(Relaxed), Relaxed);
 }
 
 /// The first allocation beyond the budget since it was set, if any.
@@ -117,6 +128,7 @@ pub fn overrun() -> Option<Overrun> {
         needed: OVERRUN_NEEDED.load(Relaxed),
         live: OVERRUN_LIVE.load(Relaxed),
         budget: BUDGET.load(Relaxed),
+        before_training: OVERRUN_BEFORE_TRAINING.load(Relaxed),
     })
 }
 

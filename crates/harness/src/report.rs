@@ -199,7 +199,7 @@ impl<'a, 'w> Report<'a, 'w> {
             series: vec![Series {
                 name: "train loss".into(),
                 color: "#1f77b4",
-                points: self.run.losses.iter().enumerate().map(|(i, &l)| ((s.first_step + i as u64) as f64, l as f64)).collect(),
+                points: points_from(s.first_step, &self.run.losses),
                 dashed: false,
             }],
             y_range: None,
@@ -219,5 +219,11 @@ impl<'a, 'w> Report<'a, 'w> {
 
 /// `(step, value)` points for a per-step series, steps counted from 1.
 pub fn points(values: &[f32]) -> Vec<(f64, f64)> {
-    values.iter().enumerate().map(|(i, &v)| ((i + 1) as f64, v as f64)).collect()
+    points_from(1, values)
+}
+
+/// `(step, value)` points for a per-step series starting at step `first`
+/// (a resumed run's first step).
+pub fn points_from(first: u64, values: &[f32]) -> Vec<(f64, f64)> {
+    values.iter().enumerate().map(|(i, &v)| ((first + i as u64) as f64, v as f64)).collect()
 }

@@ -38,6 +38,7 @@ impl Run {
             b
         });
         crate::alloc::reset_peak();
+        crate::alloc::training_begins();
         Self {
             steps: s.args.steps,
             first_step: s.first_step,

@@ -177,17 +177,23 @@ impl<'w> Session<'w> {
             return Ok(());
         }
         let o = crate::alloc::overrun();
-        let mine = o.map_or([0, 0, 0], |o| [1, o.needed as u64, o.live as u64]);
+        let mine = o.map_or([0, 0, 0, 0], |o| [1, o.needed as u64, o.live as u64, o.before_training as u64]);
         let all = self.world.gather_control(&mine);
-        let Some((rank, r)) = all.chunks_exact(3).enumerate().find(|(_, r)| r[0] == 1) else { return Ok(()) };
+        let Some((rank, r)) = all.chunks_exact(4).enumerate().find(|(_, r)| r[0] == 1) else { return Ok(()) };
         if self.world.is_root() {
             let budget = self.args.mem_budget.unwrap_or(0);
-            eprintln!(
-                "error: out of memory on rank {rank}: needed {}, budget {}, live {} (step {step}; pass a larger --mem-budget, more ranks, or a higher ZeRO stage)",
-                if r[1] < 10_000 { format!("{} B", r[1]) } else { crate::table::mb(r[1]) },
-                crate::table::mb(budget),
-                crate::table::mb(r[2])
-            );
+            let fix = "pass a larger --mem-budget, more ranks, or a higher ZeRO stage";
+            let b = crate::table::mb(budget);
+            let (needed, live) = (crate::table::mb(r[1]), crate::table::mb(r[2]));
+            if r[2] > budget {
+                // Over budget before the lesson allocated anything of note.
+                eprintln!("error: out of memory on rank {rank}: {live} live before training already exceeds the budget {b} ({fix})");
+            } else if r[3] == 1 {
+                // While building the training state: the state alone does not fit.
+                eprintln!("error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (building the training state, before step 1; {fix})");
+            } else {
+                eprintln!("error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (step {step}; {fix})");
+            }
         }
         Err(crate::edge::Stop::Reported.into())
     }
@@ -211,7 +217,7 @@ impl<'w> Session<'w> {
         t.row(["steps".to_string(), thousands(self.args.steps)]);
         let g = self.sum_groups.groups;
         if g != n || self.args.resume.is_some() {
-            t.row(["gradient sum groups".to_string(), format!("{g} ({} per rank; the sum's rounding is the same at every world size dividing {g})", g / n)]);
+            t.row(["gradient sum groups".to_string(), format!("{g} ({} per rank; same bits at any world size dividing {g})", g / n)]);
         }
         if let Some(r) = &*self.resumed.borrow() {
             t.row(["resumed from".to_string(), format!("{} (step {}, saved by {} rank{})", r.from.display(), r.step, r.saved_world, if r.saved_world == 1 { "" } else { "s" })]);
