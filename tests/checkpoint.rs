@@ -202,24 +202,8 @@ fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> (Output, Du
 }
 
 fn spawn(package: &str, ranks: usize, args: &[&str], name: &str, env: &[(&str, &str)]) -> std::process::Child {
-    let out = out_dir(name);
-    let tmp = root().join("target").join("test-tmp").join(name);
-    std::fs::create_dir_all(&tmp).unwrap();
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["-q", "--oversubscribe", "-n", &ranks.to_string()])
-        .arg(binary(package))
-        .args(args)
-        .arg("--out")
-        .arg(&out)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("RAYON_NUM_THREADS", "1")
-        .env("TMPDIR", &tmp)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
+    let (mut cmd, _) = mpirun_command(package, ranks, args, name);
+    cmd.envs(env.iter().copied()).stdout(Stdio::null()).stderr(Stdio::piped());
     cmd.spawn().expect("mpirun starts")
 }
 

@@ -30,8 +30,9 @@ pub fn out_dir(name: &str) -> PathBuf {
     d
 }
 
-/// Runs `package` on `ranks` MPI ranks with `args`; `--out` is set to a fresh folder.
-pub fn mpirun(package: &str, ranks: usize, args: &[&str], name: &str) -> (Output, PathBuf) {
+/// The mpirun command for `package` on `ranks` ranks with `args`, and its
+/// fresh `--out` folder (added unless `args` name one).
+pub fn mpirun_command(package: &str, ranks: usize, args: &[&str], name: &str) -> (Command, PathBuf) {
     let out = out_dir(name);
     // Each job gets its own TMPDIR: Open MPI creates its session directory
     // there, and concurrent mpiruns sharing one race on creating it
@@ -49,6 +50,12 @@ pub fn mpirun(package: &str, ranks: usize, args: &[&str], name: &str) -> (Output
     if !args.contains(&"--out") {
         cmd.arg("--out").arg(&out);
     }
+    (cmd, out)
+}
+
+/// Runs `package` on `ranks` MPI ranks with `args`; `--out` is set to a fresh folder.
+pub fn mpirun(package: &str, ranks: usize, args: &[&str], name: &str) -> (Output, PathBuf) {
+    let (mut cmd, out) = mpirun_command(package, ranks, args, name);
     let o = cmd.output().expect("mpirun runs (install Open MPI: `just setup`)");
     (o, out)
 }

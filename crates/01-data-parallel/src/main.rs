@@ -72,6 +72,7 @@ fn main() -> ExitCode {
         let mut dp = DataParallel::new(&s, args.reduce, args.precision);
         s.forget_resumed();
         let mut run = Run::start(&s);
+        s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
         let mut checks = 0;
         for step in s.steps() {
             let loss = match accumulate {

@@ -46,6 +46,7 @@ fn main() -> ExitCode {
         let mut fsdp = WholeModelShard::new(&s, check);
         s.forget_resumed();
         let mut run = Run::start(&s);
+        s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
         let (mut ref_losses, mut divergence) = (vec![], vec![]);
         for step in s.steps() {
             let r = fsdp.step(&s, step, &mut MemoryTimeline::off())?;

@@ -79,6 +79,7 @@ fn main() -> ExitCode {
         let mut timeline = MemoryTimeline::off();
         let mut divergence = vec![];
         let mut run = Run::start(&s);
+        s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
         for step in s.steps() {
             timeline.record(step == s.first_step && !args.no_plot);
             let loss = fsdp.step(&s, step, &mut timeline)?;

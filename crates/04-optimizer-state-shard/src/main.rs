@@ -64,6 +64,7 @@ fn main() -> ExitCode {
         s.forget_resumed();
         world.reset_traffic(); // stages 1–2 gathered their resident copies: setup, not a step
         let mut run = Run::start(&s);
+        s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
         for step in s.steps() {
             let loss = zero.step(&s, step, &mut MemoryTimeline::off())?;
             run.step_done(step, loss);

@@ -131,3 +131,30 @@ pub fn agree<T>(world: &World, result: anyhow::Result<T>) -> anyhow::Result<T> {
         }
     }
 }
+
+/// The edge of a tool that runs without MPI (`fsdp-eval`, `fsdp-export`):
+/// one compute thread, `--help` on stdout, any error as one line and exit 2.
+pub fn tool_main<P: clap::Parser>(body: impl FnOnce(P) -> anyhow::Result<()>) -> ExitCode {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // SAFETY: no other thread exists yet.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    }
+    let args = match P::try_parse() {
+        Ok(a) => a,
+        Err(e) if !e.use_stderr() => {
+            print!("{}", e.render());
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("error: {} (see --help)", e.render().to_string().lines().next().unwrap_or("").trim_start_matches("error: "));
+            return ExitCode::from(2);
+        }
+    };
+    match body(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

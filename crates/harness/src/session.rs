@@ -168,7 +168,7 @@ impl<'w> Session<'w> {
         Ok((loss.to_scalar::<f32>()?, grads))
     }
 
-    /// `--mem-budget`: after each step every rank learns whether any rank
+    /// `--mem-budget`: before the first step and after each step, every rank learns whether any rank
     /// allocated beyond its budget; if one did, rank 0 prints one line and
     /// every rank stops with exit code 2, like a GPU's out-of-memory error.
     /// Without a budget it does nothing (and no collective).

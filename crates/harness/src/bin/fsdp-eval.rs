@@ -30,28 +30,10 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        // SAFETY: no other thread exists yet.
-        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
-    }
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    fsdp_harness::edge::tool_main(run)
 }
 
-fn run() -> anyhow::Result<()> {
-    let args = match Args::try_parse() {
-        Ok(a) => a,
-        Err(e) if !e.use_stderr() => {
-            print!("{}", e.render());
-            return Ok(());
-        }
-        Err(e) => bail!("{} (see --help)", e.render().to_string().lines().next().unwrap_or("").trim_start_matches("error: ")),
-    };
+fn run(args: Args) -> anyhow::Result<()> {
     let w = fsdp_gpt::checkpoint::load(&args.weights)?;
     let vocab = Corpus::from_text("weights vocabulary", &w.vocab)?;
     let (source, text) = match &args.data {

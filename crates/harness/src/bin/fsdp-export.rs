@@ -10,7 +10,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::bail;
 use clap::Parser;
 use fsdp_gpt::GptConfig;
 
@@ -27,24 +26,10 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    fsdp_harness::edge::tool_main(run)
 }
 
-fn run() -> anyhow::Result<()> {
-    let args = match Args::try_parse() {
-        Ok(a) => a,
-        Err(e) if !e.use_stderr() => {
-            print!("{}", e.render());
-            return Ok(());
-        }
-        Err(e) => bail!("{} (see --help)", e.render().to_string().lines().next().unwrap_or("").trim_start_matches("error: ")),
-    };
+fn run(args: Args) -> anyhow::Result<()> {
     let (meta, state) = fsdp_harness::checkpoint::read(&args.ckpt)?;
     let m = &meta.model;
     let cfg = GptConfig { vocab_size: m.vocab_size, block_size: m.block_size, n_layer: m.n_layer, n_head: m.n_head, n_embd: m.n_embd };
