@@ -166,6 +166,12 @@ fn save_every_and_keep_leave_the_newest_checkpoints_and_export_consolidates_them
     let w = fsdp_gpt::checkpoint::load(&exported).unwrap(); // checks every nanoGPT name and shape
     assert_eq!(format!("{:016x}", fsdp_gpt::params::digest_f32(&w.flat)), digest(&out));
     assert!(std::fs::read(&exported).unwrap() == std::fs::read(out.join("weights.safetensors")).unwrap(), "the same file as the run's own weights");
+    // A folder with no checkpoint: one line, exit 2, nothing written.
+    let nothing = out.join("not-exported.safetensors");
+    let o = Command::new(binary("fsdp-export")).args(["--ckpt", s(&out), "--out", s(&nothing)]).output().unwrap();
+    let (code, lines) = failure(&o);
+    assert_eq!((code, lines.len()), (2, 1), "{lines:?}");
+    assert!(lines[0].contains("no checkpoint there (no meta.json, no `latest` pointer)") && !nothing.exists(), "{lines:?}");
 }
 
 /// The rank processes mpirun started (its children), from /proc.

@@ -20,7 +20,7 @@
 //!
 //! ```no_run
 //! use std::path::Path;
-//! let (meta, state) = fsdp_harness::checkpoint::read(Path::new("out/ckpt")).unwrap();
+//! let (meta, state) = fsdp_harness::checkpoint::read(Path::new("out/ckpt"), "--resume").unwrap();
 //! println!("{} at step {}, saved by {} ranks", meta.lesson, state.step, meta.world_size);
 //! ```
 use std::borrow::Cow;
@@ -290,30 +290,31 @@ pub fn remove_partials(ckpt: &Path) {
     }
 }
 
-/// `--resume DIR`: DIR is a checkpoint folder itself (it holds meta.json) or
-/// a `--ckpt` folder whose `latest` names one.
-pub fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
+/// `--resume DIR` (or `fsdp-export --ckpt DIR`; `flag` names it in errors):
+/// DIR is a checkpoint folder itself (it holds meta.json) or a `--ckpt`
+/// folder whose `latest` names one.
+pub fn resolve(dir: &Path, flag: &str) -> anyhow::Result<PathBuf> {
     if dir.join(META).is_file() {
         return Ok(dir.to_path_buf());
     }
     let latest = dir.join(LATEST);
     if !dir.is_dir() {
-        bail!("--resume {}: no such folder: pass a --ckpt folder of an earlier run", dir.display());
+        bail!("{flag} {}: no such folder: pass a --ckpt folder of an earlier run", dir.display());
     }
     let name = std::fs::read_to_string(&latest).map_err(|_| {
-        anyhow!("--resume {}: no checkpoint there (no meta.json, no `latest` pointer): pass the --ckpt folder of an earlier run", dir.display())
+        anyhow!("{flag} {}: no checkpoint there (no meta.json, no `latest` pointer): pass the --ckpt folder of an earlier run", dir.display())
     })?;
     let step_dir = dir.join(name.trim());
     if !step_dir.join(META).is_file() {
-        bail!("--resume {}: `latest` names {}, which holds no meta.json: pass one of its step-* folders instead", dir.display(), name.trim());
+        bail!("{flag} {}: `latest` names {}, which holds no meta.json: pass one of its step-* folders instead", dir.display(), name.trim());
     }
     Ok(step_dir)
 }
 
 /// Reads and checks a checkpoint (every file's size and SHA-256, every
 /// tensor's name and length) and reassembles its state in model order.
-pub fn read(dir: &Path) -> anyhow::Result<(Meta, Resumed)> {
-    let dir = resolve(dir)?;
+pub fn read(dir: &Path, flag: &str) -> anyhow::Result<(Meta, Resumed)> {
+    let dir = resolve(dir, flag)?;
     let at = dir.display().to_string();
     let text = std::fs::read_to_string(dir.join(META)).with_context(|| format!("checkpoint {at}: cannot read meta.json"))?;
     let meta: Meta = serde_json::from_str(&text).map_err(|e| anyhow!("checkpoint {at}: meta.json is not valid ({e})"))?;
@@ -472,7 +473,7 @@ mod tests {
         let dir = temp("roundtrip");
         write_checkpoint(&dir, &table, [&master, &m, &v], 3, 7);
         assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), "step-000007\n");
-        let (meta, state) = read(&dir).unwrap();
+        let (meta, state) = read(&dir, "--resume").unwrap();
         assert_eq!((meta.world_size, state.step, state.t, state.saved_world), (3, 7, 7, 3));
         for (got, want) in [(&state.master, &master), (&state.m, &m), (&state.v, &v)] {
             assert_eq!(digest_f32(got), digest_f32(want));
@@ -482,14 +483,14 @@ mod tests {
         write_checkpoint(&dir, &table, [&v, &master, &m], 1, 9);
         let names: Vec<String> = list(&dir).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
         assert_eq!(names, ["step-000008", "step-000009"]);
-        assert_eq!(digest_f32(&read(&dir.join("step-000008")).unwrap().1.master), digest_f32(&m));
+        assert_eq!(digest_f32(&read(&dir.join("step-000008"), "--resume").unwrap().1.master), digest_f32(&m));
         // One flipped bit in a shard: refused, naming the file.
         let shard = dir.join("step-000008").join(shard_file_name(1, 2));
         let mut data = std::fs::read(&shard).unwrap();
         let n = data.len();
         data[n - 5] ^= 1;
         std::fs::write(&shard, &data).unwrap();
-        let e = read(&dir.join("step-000008")).unwrap_err().to_string();
+        let e = read(&dir.join("step-000008"), "--resume").unwrap_err().to_string();
         assert!(e.ends_with("shard shard-001-of-002.safetensors fails its SHA-256 check: the file is corrupt"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

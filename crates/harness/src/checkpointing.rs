@@ -21,7 +21,7 @@ pub fn check_paths(world: &World, args: &TrainArgs) -> anyhow::Result<()> {
     }
     let Some(dir) = &args.ckpt else { return Ok(()) };
     let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-    let resuming_here = args.resume.as_ref().and_then(|r| checkpoint::resolve(r).ok()).is_some_and(|r| {
+    let resuming_here = args.resume.as_ref().and_then(|r| checkpoint::resolve(r, "--resume").ok()).is_some_and(|r| {
         let (r, d) = (canonical(&r), canonical(dir));
         r.parent() == Some(d.as_path()) || r == d
     });

@@ -84,7 +84,7 @@ impl<'w> Session<'w> {
         let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
         let table = ParamTable::new(&cfg);
         let loaded: Option<(Meta, Resumed)> = match &args.resume {
-            Some(dir) => Some(crate::checkpoint::read(dir)?),
+            Some(dir) => Some(crate::checkpoint::read(dir, "--resume")?),
             None => None,
         };
         let mut s = Self {

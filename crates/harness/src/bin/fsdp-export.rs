@@ -30,7 +30,7 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
-    let (meta, state) = fsdp_harness::checkpoint::read(&args.ckpt)?;
+    let (meta, state) = fsdp_harness::checkpoint::read(&args.ckpt, "--ckpt")?;
     let m = &meta.model;
     let cfg = GptConfig { vocab_size: m.vocab_size, block_size: m.block_size, n_layer: m.n_layer, n_head: m.n_head, n_embd: m.n_embd };
     fsdp_gpt::checkpoint::save(&args.out, &cfg, &meta.data.vocab, &state.master)?;
