@@ -72,14 +72,24 @@ impl Chart {
         let mut s = String::new();
         s.push_str(&format!("<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\">{}</text>\n", W / 2.0, esc(&self.title)));
         s.push_str(&format!("<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n"));
-        for i in 0..=4 {
-            let f = i as f64 / 4.0;
-            let (xv, yv) = (x0 + f * (x1 - x0), y0 + f * (y1 - y0));
+        // Grid lines and labels at round values ("15,000", not "1.5e4").
+        let y_step = nice_step((y1 - y0) / 4.0);
+        for yv in ticks(y0, y1, y_step) {
             s.push_str(&format!("<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/>\n", LEFT + pw, sy(yv), sy(yv)));
-            s.push_str(&format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n", LEFT - 6.0, sy(yv) + 4.0, tick(yv)));
-            // Whole steps on a long axis: "13", not "13.25".
-            let xv = if x1 - x0 >= 8.0 { xv.round() } else { xv };
-            s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", sx(xv), TOP + ph + 16.0, tick(xv)));
+            s.push_str(&format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n", LEFT - 6.0, sy(yv) + 4.0, label(yv, y_step)));
+        }
+        // x: a few whole-number positions (ranks 1, 2, 4) are labelled as they are; else round values.
+        let mut xs: Vec<f64> = self.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).collect();
+        xs.sort_by(f64::total_cmp);
+        xs.dedup();
+        let (x_ticks, x_step) = if !xs.is_empty() && xs.len() <= 8 && xs.iter().all(|x| x.fract() == 0.0) {
+            (xs, 1.0)
+        } else {
+            let step = nice_step((x1 - x0) / 4.0);
+            (ticks(x0, x1, step), step)
+        };
+        for xv in x_ticks {
+            s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", sx(xv), TOP + ph + 16.0, label(xv, x_step)));
         }
         s.push_str(&format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", LEFT + pw / 2.0, H - 10.0, esc(&self.x_label)));
         s.push_str(&format!(
@@ -87,30 +97,81 @@ impl Chart {
             TOP + ph / 2.0,
             esc(&self.y_label)
         ));
-        for (i, ser) in self.series.iter().enumerate() {
-            let path: Vec<String> = ser.points.iter().map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y.clamp(y0, y1)))).collect();
+        let lines: Vec<Vec<(f64, f64)>> = self.series.iter().map(|ser| ser.points.iter().map(|&(x, y)| (sx(x), sy(y.clamp(y0, y1)))).collect()).collect();
+        for (ser, line) in self.series.iter().zip(&lines) {
+            let path: Vec<String> = line.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
             let dash = if ser.dashed { " stroke-dasharray=\"6 4\"" } else { "" };
             s.push_str(&format!(
                 "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2\"{dash} points=\"{}\"/>\n",
                 ser.color,
                 path.join(" ")
             ));
-            let ly = TOP + 16.0 + 16.0 * i as f64;
-            s.push_str(&format!("<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{}\" stroke-width=\"2\"{dash}/>\n", LEFT + pw - 150.0, LEFT + pw - 126.0, ser.color));
-            s.push_str(&format!("<text x=\"{}\" y=\"{}\">{}</text>\n", LEFT + pw - 120.0, ly + 4.0, esc(&ser.name)));
+        }
+        // The legend goes in the corner the lines cross least, on a white box.
+        let widest = self.series.iter().map(|s| s.name.chars().count()).max().unwrap_or(0) as f64;
+        let (bw, bh) = (36.0 + 6.6 * widest, 8.0 + 16.0 * self.series.len() as f64);
+        let corners = [(LEFT + pw - bw - 6.0, TOP + 6.0), (LEFT + 6.0, TOP + 6.0), (LEFT + pw - bw - 6.0, TOP + ph - bh - 6.0), (LEFT + 6.0, TOP + ph - bh - 6.0)];
+        let crossings = |(bx, by): (f64, f64)| -> usize {
+            let inside = |(x, y): (f64, f64)| x >= bx && x <= bx + bw && y >= by && y <= by + bh;
+            lines.iter().flat_map(|l| l.windows(2)).map(|w| (0..=20).filter(|k| {
+                let t = *k as f64 / 20.0;
+                inside((w[0].0 + t * (w[1].0 - w[0].0), w[0].1 + t * (w[1].1 - w[0].1)))
+            }).count()).sum()
+        };
+        let (bx, by) = corners.iter().copied().min_by_key(|&c| crossings(c)).expect("four corners");
+        if !self.series.is_empty() {
+            s.push_str(&format!("<rect x=\"{bx:.1}\" y=\"{by:.1}\" width=\"{bw:.1}\" height=\"{bh:.1}\" fill=\"white\" fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n"));
+        }
+        for (i, ser) in self.series.iter().enumerate() {
+            let dash = if ser.dashed { " stroke-dasharray=\"6 4\"" } else { "" };
+            let ly = by + 12.0 + 16.0 * i as f64;
+            s.push_str(&format!("<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{ly:.1}\" y2=\"{ly:.1}\" stroke=\"{}\" stroke-width=\"2\"{dash}/>\n", bx + 6.0, bx + 30.0, ser.color));
+            s.push_str(&format!("<text x=\"{:.1}\" y=\"{:.1}\">{}</text>\n", bx + 36.0, ly + 4.0, esc(&ser.name)));
         }
         s
     }
 }
 
-fn tick(v: f64) -> String {
-    if v == 0.0 {
-        "0".into()
-    } else if v.abs() >= 1000.0 || v.abs() < 0.01 {
-        format!("{v:.1e}")
-    } else {
-        format!("{}", (v * 100.0).round() / 100.0)
+/// A round step near `raw`: 1, 2, 2.5 or 5 times a power of ten.
+fn nice_step(raw: f64) -> f64 {
+    if !(raw.is_finite() && raw > 0.0) {
+        return 1.0;
     }
+    let p = 10f64.powf(raw.log10().floor());
+    let m = raw / p;
+    p * if m <= 1.0 { 1.0 } else if m <= 2.0 { 2.0 } else if m <= 2.5 { 2.5 } else if m <= 5.0 { 5.0 } else { 10.0 }
+}
+
+/// The multiples of `step` in `[lo, hi]`.
+fn ticks(lo: f64, hi: f64, step: f64) -> Vec<f64> {
+    let first = (lo / step).ceil() as i64;
+    let last = (hi / step + 1e-9).floor() as i64;
+    (first..=last).map(|k| k as f64 * step).collect()
+}
+
+/// A tick label with as many decimals as the step needs: "15,000", "3.5",
+/// "0.25"; steps below 0.001 in scientific notation ("-5.0e-7").
+fn label(v: f64, step: f64) -> String {
+    if v.abs() < step * 1e-6 {
+        return "0".into();
+    }
+    if step < 1e-3 {
+        return format!("{v:.1e}");
+    }
+    let decimals = match step >= 1.0 {
+        true => 0,
+        false => {
+            let d = (-step.log10()).ceil();
+            let scaled = step * 10f64.powi(d as i32); // 2.5 for a step of 0.25: one more decimal
+            d as usize + usize::from((scaled - scaled.round()).abs() > 1e-9)
+        }
+    };
+    let text = format!("{v:.decimals$}");
+    // Thousands separators in the whole part.
+    let (sign, rest) = text.strip_prefix('-').map_or(("", text.as_str()), |r| ("-", r));
+    let (int, frac) = rest.split_once('.').map_or((rest, None), |(i, f)| (i, Some(f)));
+    let grouped: Vec<String> = int.as_bytes().rchunks(3).rev().map(|c| String::from_utf8_lossy(c).into_owned()).collect();
+    format!("{sign}{}{}", grouped.join(","), frac.map_or(String::new(), |f| format!(".{f}")))
 }
 
 fn esc(s: &str) -> String {
@@ -136,6 +197,42 @@ mod tests {
         assert!(s.contains("translate(520,0)"));
         assert!(s.contains("a &amp; b"));
         assert_eq!(s, svg(&[c.clone(), c]));
+    }
+
+    #[test]
+    fn ticks_fall_on_round_values_and_read_plainly() {
+        assert_eq!(nice_step(2_790.0), 5_000.0);
+        assert_eq!(nice_step(0.23), 0.25);
+        assert_eq!(nice_step(5e-7), 5e-7);
+        assert_eq!(ticks(6_600.0, 18_200.0, 5_000.0), [10_000.0, 15_000.0]);
+        assert_eq!(label(15_000.0, 5_000.0), "15,000");
+        assert_eq!(label(1_234_567.0, 1.0), "1,234,567");
+        assert_eq!(label(3.5, 0.5), "3.5");
+        assert_eq!(label(0.25, 0.25), "0.25");
+        assert_eq!(label(0.3, 0.1), "0.3");
+        assert_eq!(label(-2.5, 0.25), "-2.50");
+        assert_eq!(label(-5e-7, 5e-7), "-5.0e-7");
+        assert_eq!(label(1e-12, 0.5), "0");
+    }
+
+    #[test]
+    fn whole_number_x_values_are_the_ticks_and_the_legend_avoids_the_lines() {
+        // A line across the upper part of the panel: the legend must not sit on it.
+        let c = Chart {
+            title: "t".into(),
+            x_label: "ranks".into(),
+            y_label: "y".into(),
+            series: vec![Series { name: "top".into(), color: "#000", points: vec![(1.0, 9.0), (2.0, 9.0), (4.0, 9.0)], dashed: false }],
+            y_range: Some((0.0, 10.0)),
+        };
+        let s = svg(&[c]);
+        for x in ["1", "2", "4"] {
+            assert!(s.contains(&format!("text-anchor=\"middle\">{x}</text>")), "tick {x}");
+        }
+        assert!(!s.contains(">1.75<") && !s.contains(">3<"));
+        let rect = s.lines().find(|l| l.starts_with("<rect x=") && l.contains("fill-opacity")).expect("legend box");
+        let y: f64 = rect.split("y=\"").nth(1).unwrap().split('"').next().unwrap().parse().unwrap();
+        assert!(y > TOP + 100.0, "the legend moved down, off the line at the top: {rect}");
     }
 }
 
