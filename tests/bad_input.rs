@@ -93,8 +93,8 @@ fn zero_stage_precision_and_budget_out_of_range() {
 
 #[test]
 fn budget_below_the_model_size() {
-    // 1 MB cannot hold even lesson 03's shards of the tiny model: the first
-    // step stops every rank with one out-of-memory line, and no report is written.
+    // 1 MB is less than is live before training: every rank stops before
+    // step 1 with one out-of-memory line, and no report is written.
     let e = fails("step03-layerwise-shard", 2, &["--steps", "3", "--mem-budget", "1MB", "--no-plot"], "bad-budget-small");
     assert!(e.starts_with("error: out of memory on rank 0: ") && e.contains(" live before training already exceeds the budget 1.00 MB (pass a larger --mem-budget"), "{e}");
 }

@@ -190,43 +190,66 @@ fn children(pid: u32) -> Vec<u32> {
     v
 }
 
-/// Waits for a job to end, at most `limit`; a job still running then is a hang.
-fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> (Output, Duration) {
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > limit {
-            let _ = child.kill();
-            panic!("the job was still running {limit:?} after the fault: a hung rank");
+/// A running mpirun job in its own process group: dropped (a failed assert
+/// included), the whole group — mpirun and every rank — is killed.
+struct Job(std::process::Child);
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            for rank in children(self.0.id()) {
+                let _ = Command::new("kill").args(["-KILL", &rank.to_string()]).status();
+            }
+            let _ = Command::new("kill").args(["-KILL", &format!("-{}", self.0.id())]).status();
+            let _ = self.0.wait();
         }
+    }
+}
+
+/// Waits for a job to end, at most `limit`; a job still running then is a hang.
+fn wait_at_most(job: &mut Job, limit: Duration) -> (Output, Duration) {
+    let t0 = Instant::now();
+    while job.0.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < limit, "the job was still running {limit:?} after the fault: a hung rank");
         std::thread::sleep(Duration::from_millis(50));
     }
     let elapsed = t0.elapsed();
-    let mut out = Output { status: child.wait().unwrap(), stdout: vec![], stderr: vec![] };
+    let mut out = Output { status: job.0.wait().unwrap(), stdout: vec![], stderr: vec![] };
     use std::io::Read;
-    child.stderr.take().map(|mut e| e.read_to_end(&mut out.stderr));
+    job.0.stderr.take().map(|mut e| e.read_to_end(&mut out.stderr));
     (out, elapsed)
 }
 
-fn spawn(package: &str, ranks: usize, args: &[&str], name: &str, env: &[(&str, &str)]) -> std::process::Child {
+fn spawn(package: &str, ranks: usize, args: &[&str], name: &str, env: &[(&str, &str)]) -> Job {
+    use std::os::unix::process::CommandExt;
     let (mut cmd, _) = mpirun_command(package, ranks, args, name);
-    cmd.envs(env.iter().copied()).stdout(Stdio::null()).stderr(Stdio::piped());
-    cmd.spawn().expect("mpirun starts")
+    cmd.envs(env.iter().copied()).stdout(Stdio::null()).stderr(Stdio::piped()).process_group(0);
+    Job(cmd.spawn().expect("mpirun starts"))
+}
+
+/// Which of mpirun's children is MPI rank `rank` (from its environment).
+fn rank_pid(ranks: &[u32], rank: usize) -> u32 {
+    let wanted = format!("OMPI_COMM_WORLD_RANK={rank}");
+    *ranks
+        .iter()
+        .find(|pid| std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == wanted.as_bytes())))
+        .expect("a child with that rank")
 }
 
 #[test]
 fn a_rank_killed_mid_run_ends_the_job_and_the_last_checkpoint_resumes_exactly() {
     let ck = ckpt_dir("sigkill");
     let mut job = spawn("step03-layerwise-shard", 2, &args("100000", &["--no-plot", "--ckpt", s(&ck), "--save-every", "2"]), "sigkill", &[]);
-    // Wait for the checkpoint of step 4, then SIGKILL rank 1 while it trains.
+    // Wait for the checkpoint of step 4, then SIGKILL rank 1 (found by its OMPI_COMM_WORLD_RANK) while it trains.
     let t0 = Instant::now();
     while !std::fs::read_to_string(ck.join("latest")).is_ok_and(|l| l.trim() >= "step-000004") {
         assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint of step 4 after 120 s");
-        assert!(job.try_wait().unwrap().is_none(), "the job ended before the kill");
+        assert!(job.0.try_wait().unwrap().is_none(), "the job ended before the kill");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let ranks = children(job.id());
+    let ranks = children(job.0.id());
     assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
-    Command::new("kill").args(["-KILL", &ranks[1].to_string()]).status().unwrap();
+    Command::new("kill").args(["-KILL", &rank_pid(&ranks, 1).to_string()]).status().unwrap();
     let (o, took) = wait_at_most(&mut job, Duration::from_secs(30));
     assert!(!o.status.success(), "a job with a killed rank must fail");
     eprintln!("SIGKILL of rank 1: the job ended {took:?} later");

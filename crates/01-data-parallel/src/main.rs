@@ -82,7 +82,7 @@ fn main() -> ExitCode {
             run.step_done(step, loss);
             s.check_memory_budget(step)?;
             if s.checkpoint_due(step) {
-                s.save_checkpoint(step, &dp.checkpoint_pieces(&s))?;
+                s.save_checkpoint(step, || dp.checkpoint_pieces(&s))?;
                 run.leave_out_pause(); // the save is not part of the next step's time
             }
             if s.args.check_every > 0 && (step % s.args.check_every == 0 || step == s.args.steps) {

@@ -53,7 +53,7 @@ fn main() -> ExitCode {
             run.step_done(step, r.loss);
             s.check_memory_budget(step)?;
             if s.checkpoint_due(step) {
-                s.save_checkpoint(step, &fsdp.checkpoint_pieces(&s))?;
+                s.save_checkpoint(step, || fsdp.checkpoint_pieces(&s))?;
                 run.leave_out_pause(); // the save is not part of the next step's time
             }
             if let (Some(l), Some(d)) = (r.reference_loss, r.divergence) {

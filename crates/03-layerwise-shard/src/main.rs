@@ -87,7 +87,7 @@ fn main() -> ExitCode {
             run.step_done(step, loss);
             s.check_memory_budget(step)?;
             if s.checkpoint_due(step) {
-                s.save_checkpoint(step, &fsdp.checkpoint_pieces())?;
+                s.save_checkpoint(step, || fsdp.checkpoint_pieces())?;
                 run.leave_out_pause(); // the save is not part of the next step's time
             }
             if let Some(r) = reference.as_mut() {

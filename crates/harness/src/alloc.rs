@@ -109,11 +109,15 @@ pub struct Overrun {
     pub before_training: bool,
 }
 
-/// Sets (or, with `None`, lifts) the per-rank heap budget and clears any overrun.
+/// Sets (or, with `None`, lifts) the per-rank heap budget and clears any
+/// overrun — or records one at once when more than the budget is live already.
 pub fn set_budget(bytes: Option<usize>) {
-    OVERRUN.store(false, Relaxed);
+    let (budget, live) = (bytes.unwrap_or(usize::MAX), LIVE.load(Relaxed));
     OVERRUN_BEFORE_TRAINING.store(false, Relaxed);
-    BUDGET.store(bytes.unwrap_or(usize::MAX), Relaxed);
+    OVERRUN_NEEDED.store(0, Relaxed);
+    OVERRUN_LIVE.store(live, Relaxed);
+    OVERRUN.store(live > budget, Relaxed);
+    BUDGET.store(budget, Relaxed);
 }
 
 /// Training begins ([`crate::Run::start`]): an overrun so far happened

@@ -265,7 +265,7 @@ pub fn list(ckpt: &Path) -> Vec<PathBuf> {
 }
 
 fn is_step_dir(p: &Path) -> bool {
-    p.is_dir() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step-") && n[5..].bytes().all(|b| b.is_ascii_digit()))
+    p.is_dir() && step_of(p).is_some()
 }
 
 /// Keeps the newest `keep` checkpoints (and always `current`).
@@ -279,12 +279,16 @@ fn prune(ckpt: &Path, keep: usize, current: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Partial folders a killed save left behind: removed before the next save.
+/// Partial folders (and pointer temp files) a killed save left behind: removed before the next save.
 pub fn remove_partials(ckpt: &Path) {
     if let Ok(d) = std::fs::read_dir(ckpt) {
         for e in d.filter_map(Result::ok) {
-            if e.file_name().to_str().is_some_and(|n| n.starts_with(".step-") && n.ends_with(".partial")) {
+            let name = e.file_name();
+            let name = name.to_str().unwrap_or("");
+            if name.starts_with(".step-") && name.ends_with(".partial") {
                 let _ = std::fs::remove_dir_all(e.path());
+            } else if name.starts_with(".latest.tmp") {
+                let _ = std::fs::remove_file(e.path()); // a pointer write a kill interrupted
             }
         }
     }
@@ -301,9 +305,15 @@ pub fn resolve(dir: &Path, flag: &str) -> anyhow::Result<PathBuf> {
     if !dir.is_dir() {
         bail!("{flag} {}: no such folder: pass a --ckpt folder of an earlier run", dir.display());
     }
-    let name = std::fs::read_to_string(&latest).map_err(|_| {
-        anyhow!("{flag} {}: no checkpoint there (no meta.json, no `latest` pointer): pass the --ckpt folder of an earlier run", dir.display())
-    })?;
+    let name = match std::fs::read_to_string(&latest) {
+        Ok(name) => name,
+        // No `latest` (a kill between a commit and the pointer, or every later
+        // checkpoint abandoned): the newest committed folder is complete.
+        Err(_) => match list(dir).into_iter().rev().find(|p| p.join(META).is_file()) {
+            Some(p) => return Ok(p),
+            None => bail!("{flag} {}: no checkpoint there (no meta.json, no `latest` pointer): pass the --ckpt folder of an earlier run", dir.display()),
+        },
+    };
     let step_dir = dir.join(name.trim());
     if !step_dir.join(META).is_file() {
         bail!("{flag} {}: `latest` names {}, which holds no meta.json: pass one of its step-* folders instead", dir.display(), name.trim());
@@ -484,6 +494,9 @@ mod tests {
         let names: Vec<String> = list(&dir).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
         assert_eq!(names, ["step-000008", "step-000009"]);
         assert_eq!(digest_f32(&read(&dir.join("step-000008"), "--resume").unwrap().1.master), digest_f32(&m));
+        // No `latest` (a kill between a commit and the pointer): the newest committed folder.
+        std::fs::remove_file(dir.join(LATEST)).unwrap();
+        assert_eq!(read(&dir, "--resume").unwrap().1.step, 9);
         // One flipped bit in a shard: refused, naming the file.
         let shard = dir.join("step-000008").join(shard_file_name(1, 2));
         let mut data = std::fs::read(&shard).unwrap();

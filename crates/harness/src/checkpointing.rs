@@ -22,8 +22,7 @@ pub fn check_paths(world: &World, args: &TrainArgs) -> anyhow::Result<()> {
     let Some(dir) = &args.ckpt else { return Ok(()) };
     let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let resuming_here = args.resume.as_ref().and_then(|r| checkpoint::resolve(r, "--resume").ok()).is_some_and(|r| {
-        let (r, d) = (canonical(&r), canonical(dir));
-        r.parent() == Some(d.as_path()) || r == d
+        canonical(&r).parent() == Some(canonical(dir).as_path())
     });
     if !resuming_here && (dir.join("latest").exists() || !checkpoint::list(dir).is_empty()) {
         bail!(
@@ -160,10 +159,12 @@ impl Session<'_> {
     /// Saves this rank's `pieces` as part of the checkpoint of `step`
     /// (every rank calls). Not counted in the traffic, the budget or the
     /// measured peak: it is not training, and on a GPU it happens in host memory.
-    pub fn save_checkpoint(&self, step: u64, pieces: &[ShardPiece]) -> anyhow::Result<()> {
+    /// `pieces` is called inside: copies it makes (lesson 01's shard of its
+    /// replicated state) are host-side too.
+    pub fn save_checkpoint<'a>(&self, step: u64, pieces: impl FnOnce() -> Vec<ShardPiece<'a>>) -> anyhow::Result<()> {
         let w = self.world;
         let Some(ckpt) = self.args.ckpt.as_deref() else { return Ok(()) };
-        crate::alloc::host_side(|| w.untracked(|| self.save_untracked(ckpt, step, pieces)))
+        crate::alloc::host_side(|| w.untracked(|| self.save_untracked(ckpt, step, &pieces())))
     }
 
     fn save_untracked(&self, ckpt: &Path, step: u64, pieces: &[ShardPiece]) -> anyhow::Result<()> {

@@ -146,7 +146,10 @@ pub fn tool_main<P: clap::Parser>(body: impl FnOnce(P) -> anyhow::Result<()>) ->
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            eprintln!("error: {} (see --help)", e.render().to_string().lines().next().unwrap_or("").trim_start_matches("error: "));
+            // clap's first paragraph, on one line ("… not provided: --ckpt <CKPT>").
+            let text = e.render().to_string();
+            let first: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+            eprintln!("error: {} (see --help)", first.join(" ").trim_start_matches("error: "));
             return ExitCode::from(2);
         }
     };

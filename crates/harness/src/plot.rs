@@ -47,7 +47,8 @@ pub fn svg(charts: &[Chart]) -> String {
 
 impl Chart {
     fn render(&self) -> String {
-        let pts = self.series.iter().flat_map(|s| s.points.iter());
+        // Non-finite values (a diverged loss) are left out, not allowed to break the chart.
+        let pts = self.series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| x.is_finite() && y.is_finite());
         let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
         for &(x, y) in pts {
             x0 = x0.min(x);
@@ -74,9 +75,10 @@ impl Chart {
         s.push_str(&format!("<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n"));
         // Grid lines and labels at round values ("15,000", not "1.5e4").
         let y_step = nice_step((y1 - y0) / 4.0);
+        let y_scale = y0.abs().max(y1.abs());
         for yv in ticks(y0, y1, y_step) {
             s.push_str(&format!("<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/>\n", LEFT + pw, sy(yv), sy(yv)));
-            s.push_str(&format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n", LEFT - 6.0, sy(yv) + 4.0, label(yv, y_step)));
+            s.push_str(&format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n", LEFT - 6.0, sy(yv) + 4.0, label(yv, y_step, y_scale)));
         }
         // x: a few whole-number positions (ranks 1, 2, 4) are labelled as they are; else round values.
         let mut xs: Vec<f64> = self.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).collect();
@@ -88,8 +90,9 @@ impl Chart {
             let step = nice_step((x1 - x0) / 4.0);
             (ticks(x0, x1, step), step)
         };
+        let x_scale = x0.abs().max(x1.abs());
         for xv in x_ticks {
-            s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", sx(xv), TOP + ph + 16.0, label(xv, x_step)));
+            s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", sx(xv), TOP + ph + 16.0, label(xv, x_step, x_scale)));
         }
         s.push_str(&format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", LEFT + pw / 2.0, H - 10.0, esc(&self.x_label)));
         s.push_str(&format!(
@@ -97,7 +100,11 @@ impl Chart {
             TOP + ph / 2.0,
             esc(&self.y_label)
         ));
-        let lines: Vec<Vec<(f64, f64)>> = self.series.iter().map(|ser| ser.points.iter().map(|&(x, y)| (sx(x), sy(y.clamp(y0, y1)))).collect()).collect();
+        let lines: Vec<Vec<(f64, f64)>> = self
+            .series
+            .iter()
+            .map(|ser| ser.points.iter().filter(|(x, y)| x.is_finite() && y.is_finite()).map(|&(x, y)| (sx(x), sy(y.clamp(y0, y1)))).collect())
+            .collect();
         for (ser, line) in self.series.iter().zip(&lines) {
             let path: Vec<String> = line.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
             let dash = if ser.dashed { " stroke-dasharray=\"6 4\"" } else { "" };
@@ -139,23 +146,28 @@ fn nice_step(raw: f64) -> f64 {
     }
     let p = 10f64.powf(raw.log10().floor());
     let m = raw / p;
-    p * if m <= 1.0 { 1.0 } else if m <= 2.0 { 2.0 } else if m <= 2.5 { 2.5 } else if m <= 5.0 { 5.0 } else { 10.0 }
+    // 2.5 only where it stays on the grid of the labels' digits (0.25, 25, 250 — not 2.5).
+    let quarter = p != 1.0;
+    p * if m <= 1.0 { 1.0 } else if m <= 2.0 { 2.0 } else if m <= 2.5 && quarter { 2.5 } else if m <= 5.0 { 5.0 } else { 10.0 }
 }
 
-/// The multiples of `step` in `[lo, hi]`.
+/// The multiples of `step` in `[lo, hi]` (none for a range that is not finite, or absurdly many).
 fn ticks(lo: f64, hi: f64, step: f64) -> Vec<f64> {
-    let first = (lo / step).ceil() as i64;
-    let last = (hi / step + 1e-9).floor() as i64;
-    (first..=last).map(|k| k as f64 * step).collect()
+    let (first, last) = ((lo / step).ceil(), (hi / step + 1e-9).floor());
+    if !(first.is_finite() && last.is_finite()) || last - first > 50.0 {
+        return vec![];
+    }
+    (first as i64..=last as i64).map(|k| k as f64 * step).collect()
 }
 
 /// A tick label with as many decimals as the step needs: "15,000", "3.5",
-/// "0.25"; steps below 0.001 in scientific notation ("-5.0e-7").
-fn label(v: f64, step: f64) -> String {
+/// "0.25", "2.71828"; an axis whose values are all tiny (below 0.01) in
+/// scientific notation ("-5.0e-7"). `scale` is the axis' largest magnitude.
+fn label(v: f64, step: f64, scale: f64) -> String {
     if v.abs() < step * 1e-6 {
         return "0".into();
     }
-    if step < 1e-3 {
+    if step < 1e-3 && scale < 1e-2 {
         return format!("{v:.1e}");
     }
     let decimals = match step >= 1.0 {
@@ -163,7 +175,7 @@ fn label(v: f64, step: f64) -> String {
         false => {
             let d = (-step.log10()).ceil();
             let scaled = step * 10f64.powi(d as i32); // 2.5 for a step of 0.25: one more decimal
-            d as usize + usize::from((scaled - scaled.round()).abs() > 1e-9)
+            (d as usize + usize::from((scaled - scaled.round()).abs() > 1e-9)).min(12)
         }
     };
     let text = format!("{v:.decimals$}");
@@ -205,14 +217,34 @@ mod tests {
         assert_eq!(nice_step(0.23), 0.25);
         assert_eq!(nice_step(5e-7), 5e-7);
         assert_eq!(ticks(6_600.0, 18_200.0, 5_000.0), [10_000.0, 15_000.0]);
-        assert_eq!(label(15_000.0, 5_000.0), "15,000");
-        assert_eq!(label(1_234_567.0, 1.0), "1,234,567");
-        assert_eq!(label(3.5, 0.5), "3.5");
-        assert_eq!(label(0.25, 0.25), "0.25");
-        assert_eq!(label(0.3, 0.1), "0.3");
-        assert_eq!(label(-2.5, 0.25), "-2.50");
-        assert_eq!(label(-5e-7, 5e-7), "-5.0e-7");
-        assert_eq!(label(1e-12, 0.5), "0");
+        assert_eq!(nice_step(2.3), 5.0, "not 2.5: its ticks would need a decimal");
+        assert_eq!(label(15_000.0, 5_000.0, 18_000.0), "15,000");
+        assert_eq!(label(1_234_567.0, 1.0, 2e6), "1,234,567");
+        assert_eq!(label(3.5, 0.5, 4.0), "3.5");
+        assert_eq!(label(0.25, 0.25, 1.0), "0.25");
+        assert_eq!(label(0.3, 0.1, 1.0), "0.3");
+        assert_eq!(label(-2.5, 0.25, 3.0), "-2.50");
+        assert_eq!(label(-5e-7, 5e-7, 1e-6), "-5.0e-7");
+        assert_eq!(label(2.7183, 1e-4, 2.72), "2.7183", "a flat series near e: decimals, not 2.7e0");
+        assert_eq!(label(1e-12, 0.5, 1.0), "0");
+        assert!(ticks(f64::NEG_INFINITY, f64::INFINITY, 1.0).is_empty());
+    }
+
+    #[test]
+    fn non_finite_values_are_left_out() {
+        let c = Chart {
+            title: "diverged".into(),
+            x_label: "step".into(),
+            y_label: "loss".into(),
+            series: vec![
+                Series { name: "a".into(), color: "#000", points: vec![(1.0, 4.0), (2.0, f64::INFINITY), (3.0, f64::NAN), (4.0, 3.0)], dashed: false },
+                Series { name: "no finite point".into(), color: "#111", points: vec![(1.0, f64::NAN)], dashed: false },
+            ],
+            y_range: None,
+        };
+        let s = svg(&[c]);
+        assert!(s.contains("points=\"70.0,"), "the finite points are drawn");
+        assert!(!s.contains("NaN") && !s.contains("inf"), "{s}");
     }
 
     #[test]

@@ -74,7 +74,7 @@ impl Run {
     }
 
     /// Restarts the step clock: time since the last step (a checkpoint
-    /// save, a check) is not counted in the next step.
+    /// save) is not counted in the next step.
     pub fn leave_out_pause(&mut self) {
         self.step_started = Instant::now();
     }

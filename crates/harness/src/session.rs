@@ -185,12 +185,13 @@ impl<'w> Session<'w> {
             let fix = "pass a larger --mem-budget, more ranks, or a higher ZeRO stage";
             let b = crate::table::mb(budget);
             let (needed, live) = (crate::table::mb(r[1]), crate::table::mb(r[2]));
-            if r[2] > budget {
-                // Over budget before the lesson allocated anything of note.
+            let first = self.first_step;
+            if r[3] == 1 && r[2] > budget {
+                // More than the budget was live when it was set.
                 eprintln!("error: out of memory on rank {rank}: {live} live before training already exceeds the budget {b} ({fix})");
             } else if r[3] == 1 {
                 // While building the training state: the state alone does not fit.
-                eprintln!("error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (building the training state, before step 1; {fix})");
+                eprintln!("error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (building the training state, before step {first}; {fix})");
             } else {
                 eprintln!("error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (step {step}; {fix})");
             }
