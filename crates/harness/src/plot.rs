@@ -114,10 +114,12 @@ impl Chart {
                 path.join(" ")
             ));
         }
-        // The legend goes in the corner the lines cross least, on a white box.
+        // The legend goes where the lines cross it least (a corner, else the
+        // middle of a side), on a white box.
         let widest = self.series.iter().map(|s| s.name.chars().count()).max().unwrap_or(0) as f64;
         let (bw, bh) = (36.0 + 6.6 * widest, 8.0 + 16.0 * self.series.len() as f64);
-        let corners = [(LEFT + pw - bw - 6.0, TOP + 6.0), (LEFT + 6.0, TOP + 6.0), (LEFT + pw - bw - 6.0, TOP + ph - bh - 6.0), (LEFT + 6.0, TOP + ph - bh - 6.0)];
+        let (right, left, mid) = (LEFT + pw - bw - 6.0, LEFT + 6.0, TOP + (ph - bh) / 2.0);
+        let corners = [(right, TOP + 6.0), (left, TOP + 6.0), (right, TOP + ph - bh - 6.0), (left, TOP + ph - bh - 6.0), (right, mid), (left, mid)];
         let crossings = |(bx, by): (f64, f64)| -> usize {
             let inside = |(x, y): (f64, f64)| x >= bx && x <= bx + bw && y >= by && y <= by + bh;
             lines.iter().flat_map(|l| l.windows(2)).map(|w| (0..=20).filter(|k| {
@@ -125,7 +127,7 @@ impl Chart {
                 inside((w[0].0 + t * (w[1].0 - w[0].0), w[0].1 + t * (w[1].1 - w[0].1)))
             }).count()).sum()
         };
-        let (bx, by) = corners.iter().copied().min_by_key(|&c| crossings(c)).expect("four corners");
+        let (bx, by) = corners.iter().copied().min_by_key(|&c| crossings(c)).expect("six places");
         if !self.series.is_empty() {
             s.push_str(&format!("<rect x=\"{bx:.1}\" y=\"{by:.1}\" width=\"{bw:.1}\" height=\"{bh:.1}\" fill=\"white\" fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n"));
         }
