@@ -171,14 +171,13 @@ impl ParamTable {
 /// A 64-bit digest of `f32` bit patterns (FNV-1a over the little-endian bytes):
 /// equal digests of two weight vectors mean, for our purposes, equal bits.
 pub fn digest_f32(values: &[f32]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for v in values {
-        for b in v.to_bits().to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
+    fnv1a(values.iter().flat_map(|v| v.to_bits().to_le_bytes()))
+}
+
+/// FNV-1a, 64 bits: a fast digest for "the same bytes?" (not a checksum
+/// against tampering; checkpoints use SHA-256 for that).
+pub fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 #[cfg(test)]

@@ -63,12 +63,7 @@ pub fn sum_groups(args: &TrainArgs, world: usize, meta: Option<&Meta>) -> anyhow
 
 /// FNV-1a of the token ids: equal digests, equal batches.
 fn tokens_digest(tokens: &[u32]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in tokens.iter().flat_map(|t| t.to_le_bytes()) {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
+    format!("{:016x}", fsdp_gpt::params::fnv1a(tokens.iter().flat_map(|t| t.to_le_bytes())))
 }
 
 fn model_meta(s: &Session) -> ModelMeta {
