@@ -14,18 +14,7 @@ default:
 
 # Install what a fresh Debian machine lacks: Open MPI, libclang (for the MPI bindings), pkg-config.
 setup:
-    #!/usr/bin/env bash
-    set -euo pipefail
-    need=()
-    command -v mpirun >/dev/null || need+=(openmpi-bin libopenmpi-dev)
-    command -v pkg-config >/dev/null || need+=(pkg-config)
-    ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
-    if [ ${#need[@]} -gt 0 ]; then
-        sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-        echo "installing: ${need[*]}"
-        $sudo apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-    fi
+    @bash scripts/deps.sh --install
 
 # Build every lesson (release: candle in debug is 45-140x slower).
 build: setup
@@ -154,19 +143,9 @@ book-verify: build
 book-render: setup-browser book
     bash book/render-check.sh
 
-# Install what `just book-render` needs: Debian's chromium (headless) and python3.
+# Install what `just book-render` needs as well: Debian's chromium (headless) and python3.
 setup-browser:
-    #!/usr/bin/env bash
-    set -euo pipefail
-    need=()
-    command -v chromium >/dev/null || command -v chromium-browser >/dev/null || need+=(chromium)
-    command -v python3 >/dev/null || need+=(python3)
-    if [ ${#need[@]} -gt 0 ]; then
-        sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-        echo "installing: ${need[*]}"
-        $sudo apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-    fi
+    @bash scripts/deps.sh --install --browser
 
 # Check one exercise, e.g. `just exercise 03-2` (exercise 3.2), and say whether it passes.
 exercise ID:

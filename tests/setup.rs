@@ -1,0 +1,101 @@
+//! `scripts/deps.sh`, the probe `just setup` and `.ci/run` share, against
+//! folders laid out like a fresh machine: it must name exactly what is missing.
+//! (A probe that believed `libclang-cpp.so.14` was libclang once made the
+//! README's first command fail six minutes into the build.)
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A fake machine: `root` laid out like `/` with the given library files, and
+/// a `bin` folder holding the given commands (empty scripts).
+struct FakeMachine {
+    root: PathBuf,
+    bin: PathBuf,
+}
+
+impl FakeMachine {
+    fn new(name: &str, libs: &[&str], commands: &[&str]) -> Self {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-out/deps").join(name);
+        let _ = fs::remove_dir_all(&dir);
+        let (root, bin) = (dir.join("root"), dir.join("bin"));
+        fs::create_dir_all(&bin).unwrap();
+        for lib in libs {
+            let p = root.join(lib.trim_start_matches('/'));
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(&p, b"").unwrap();
+        }
+        for c in commands {
+            let p = bin.join(c);
+            fs::write(&p, "#!/bin/sh\n").unwrap();
+            fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        FakeMachine { root, bin }
+    }
+
+    /// The packages the probe says are missing.
+    fn missing(&self, browser: bool) -> Vec<String> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/deps.sh");
+        let mut cmd = Command::new("/bin/bash");
+        cmd.arg(script).env_clear().env("PATH", &self.bin).env("FSDP_DEPS_ROOT", &self.root);
+        if browser {
+            cmd.arg("--browser");
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "deps.sh failed: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap().lines().map(str::to_owned).collect()
+    }
+}
+
+const ALL_COMMANDS: &[&str] = &["mpirun", "mpicc", "pkg-config", "chromium", "python3"];
+
+#[test]
+fn libclang_cpp_alone_is_not_libclang() {
+    // This image: LLVM 14's C++ library and libLLVM, no libclang.
+    let m = FakeMachine::new(
+        "cpp-only",
+        &["/usr/lib/llvm-14/lib/libclang-cpp.so.14", "/usr/lib/x86_64-linux-gnu/libclang-cpp.so.14", "/usr/lib/llvm-14/lib/libLLVM-14.so"],
+        ALL_COMMANDS,
+    );
+    assert_eq!(m.missing(true), ["libclang-dev"]);
+}
+
+#[test]
+fn each_file_bindgen_loads_counts_as_libclang() {
+    for (name, lib) in [
+        ("so1", "/usr/lib/llvm-14/lib/libclang.so.1"),
+        ("dev", "/usr/lib/llvm-14/lib/libclang.so"),
+        ("versioned", "/usr/lib/x86_64-linux-gnu/libclang-14.so.1"),
+        ("lib64", "/usr/lib64/libclang.so.16"),
+    ] {
+        let m = FakeMachine::new(name, &["/usr/lib/llvm-14/lib/libclang-cpp.so.14", lib], ALL_COMMANDS);
+        assert_eq!(m.missing(true), Vec::<String>::new(), "{lib} is a libclang bindgen can load");
+    }
+}
+
+#[test]
+fn each_missing_command_names_its_package() {
+    let lib = ["/usr/lib/llvm-14/lib/libclang.so.1"];
+    for (absent, packages) in [
+        ("mpirun", &["openmpi-bin", "libopenmpi-dev"][..]),
+        ("mpicc", &["openmpi-bin", "libopenmpi-dev"]),
+        ("pkg-config", &["pkg-config"]),
+        ("chromium", &["chromium"]),
+        ("python3", &["python3"]),
+    ] {
+        let commands: Vec<&str> = ALL_COMMANDS.iter().copied().filter(|c| *c != absent).collect();
+        let m = FakeMachine::new(&format!("no-{absent}"), &lib, &commands);
+        assert_eq!(m.missing(true), packages, "without {absent}");
+    }
+    // chromium-browser (Ubuntu's name) serves as well.
+    let m = FakeMachine::new("chromium-browser", &lib, &["mpirun", "mpicc", "pkg-config", "chromium-browser", "python3"]);
+    assert_eq!(m.missing(true), Vec::<String>::new());
+}
+
+#[test]
+fn a_bare_machine_lacks_everything_and_the_browser_only_when_asked() {
+    let m = FakeMachine::new("bare", &[], &[]);
+    assert_eq!(m.missing(false), ["openmpi-bin", "libopenmpi-dev", "pkg-config", "libclang-dev"]);
+    assert_eq!(m.missing(true), ["openmpi-bin", "libopenmpi-dev", "pkg-config", "libclang-dev", "chromium", "python3"]);
+}
