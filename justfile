@@ -7,6 +7,11 @@
 export OMPI_ALLOW_RUN_AS_ROOT := "1"
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := "1"
 export RAYON_NUM_THREADS := "1"
+# On SIGTERM or Ctrl-C, mpirun sends the ranks SIGCONT, then SIGTERM and
+# SIGKILL this many seconds apart (default 1): time to finish the step and
+# save a checkpoint (crates/harness/src/stop.rs). Raise it for big models;
+# mpirun itself waits out about twice this after a Ctrl-C.
+export OMPI_MCA_odls_base_sigkill_timeout := "3"
 
 # List the recipes.
 default:

@@ -106,3 +106,34 @@ fn unwritable_out_folder_and_data_that_is_a_folder() {
     let e = fails("step02-whole-model-shard", 2, &["--data", "/tmp"], "bad-data-folder");
     assert_eq!(e, "error: data file /tmp: cannot read it (Is a directory (os error 21)); pass --data with a readable text file");
 }
+
+/// Only rank 1 fails at setup (its --data is missing; mpirun's `:` gives
+/// each rank its own flags): one line, rank 0's, naming rank 1 and the fix.
+#[test]
+fn a_setup_failure_on_another_rank_is_one_line() {
+    let bin = binary("step02-whole-model-shard");
+    let good = root().join("target/test-out/rank1-good.txt");
+    std::fs::create_dir_all(good.parent().unwrap()).unwrap();
+    std::fs::write(&good, "the quick brown fox jumps over the lazy dog. ".repeat(60)).unwrap();
+    let out = out_dir("bad-rank1");
+    let o = std::process::Command::new("mpirun")
+        .args(["-q", "-n", "1"])
+        .arg(&bin)
+        .args(["--steps", "1", "--data"])
+        .arg(&good)
+        .arg("--out")
+        .arg(&out)
+        .args([":", "-n", "1"])
+        .arg(&bin)
+        .args(["--steps", "1", "--data", "/no/such/file.txt", "--out"])
+        .arg(&out)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let (code, lines) = failure(&o);
+    assert_eq!(code, 2, "{lines:?}");
+    assert_eq!(lines, ["error (rank 1): data file /no/such/file.txt: cannot read it (No such file or directory (os error 2)); pass --data with a readable text file"]);
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
+}

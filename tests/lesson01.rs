@@ -84,3 +84,13 @@ fn eval_reads_the_weights_a_run_wrote() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(lines[0].starts_with("error: weights file ") && lines[0].contains("not a safetensors file"), "{lines:?}");
 }
+
+/// The replica check says what it did: with --check-every 0, that it was off.
+#[test]
+fn the_replica_check_reports_only_what_it_checked() {
+    let (o, _) = mpirun(PKG, 2, &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--check-every", "0"], "l01-no-check");
+    let stdout = ok_stdout(&o);
+    assert!(stdout.contains("replica check: off (--check-every 0)") && !stdout.contains("bitwise identical"), "{stdout}");
+    let (o, _) = mpirun(PKG, 2, &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--check-every", "2"], "l01-check-2");
+    assert!(ok_stdout(&o).contains("replica check: 2 checks, every rank's weights bitwise identical"));
+}

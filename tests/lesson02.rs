@@ -58,3 +58,15 @@ fn master_shard_is_one_nth() {
         assert!(out.join("shard_vs_replicated.svg").exists());
     }
 }
+
+/// A run whose weights turn NaN (a learning rate of 1e38 overflows them)
+/// must say so: the divergence is NaN, never a comforting 0.00e+00.
+#[test]
+fn a_nan_is_never_read_as_zero_divergence() {
+    let (o, _) = mpirun(PKG, 2, &["--steps", "2", "--lr", "1e38", "--batch-size", "2", "--seq-len", "16", "--log-every", "1"], "l02-nan");
+    let stdout = ok_stdout(&o);
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains("max |sharded − replicated| =")).collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert!(lines.iter().all(|l| l.ends_with("= NaN")), "{lines:?}");
+    assert!(stdout.contains("│ max |sharded − replicated| │ NaN over 2 steps │"), "{stdout}");
+}

@@ -92,3 +92,26 @@ fn measured_peak_is_below_lesson_02() {
     assert!(p3 < p2, "whole run: lesson 03 {p3} bytes, lesson 02 {p2}");
     assert!(out3.join("memory_timeline.svg").exists());
 }
+
+/// Between machines Open MPI talks TCP; here over the loopback interface.
+/// The bits do not depend on the transport: the reductions are ours.
+#[test]
+fn tcp_between_ranks_gives_the_same_digest_as_shared_memory() {
+    let (o, shm) = mpirun(PKG, 2, FAST, "l03-shm");
+    ok_stdout(&o);
+    let (mut cmd, tcp) = mpirun_command(PKG, 2, FAST, "l03-tcp");
+    // The transport flags go before the binary: rebuild the command with them.
+    let args: Vec<std::ffi::OsString> = cmd.get_args().map(|a| a.to_os_string()).collect();
+    let mut with_tcp = std::process::Command::new("mpirun");
+    with_tcp.args(["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]).args(&args);
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            with_tcp.env(k, v);
+        }
+    }
+    let _ = &mut cmd;
+    ok_stdout(&with_tcp.output().unwrap());
+    assert_eq!(digest(&shm), digest(&tcp));
+    let tcp_traffic = report(&tcp)["traffic"].clone();
+    assert_eq!(tcp_traffic["all_gather"]["bytes_sent"], report(&shm)["traffic"]["all_gather"]["bytes_sent"]);
+}

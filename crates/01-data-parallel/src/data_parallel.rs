@@ -14,7 +14,7 @@
 use std::borrow::Cow;
 
 use anyhow::bail;
-use fsdp_comm::{ShardLayout, sum_in_rank_order};
+use fsdp_comm::{MicroBatchSum, ShardLayout, sum_pairwise};
 use fsdp_gpt::{AdamW, Precision};
 use fsdp_gpt::model::add_grads;
 use fsdp_gpt::params::digest_f32;
@@ -24,7 +24,7 @@ use fsdp_harness::{MemoryTally, Session};
 /// How the gradient is all-reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Reduce {
-    /// Reduce-scatter + all-gather with sums in rank order: bitwise reproducible.
+    /// Reduce-scatter + all-gather with the pairwise sum over ranks: bitwise reproducible.
     Ordered,
     /// MPI's own MPI_Allreduce: its summation order is MPI's choice.
     Native,
@@ -34,9 +34,9 @@ pub enum Reduce {
 pub struct DataParallel {
     /// The full fp32 parameters, identical on every rank.
     pub params: Vec<f32>,
-    /// The full gradient sums, padded to a multiple of N for the all-reduce:
-    /// one per sum group of mine (`--sum-groups`; by default one).
-    sums: Vec<Vec<f32>>,
+    /// The sum of my micro-batches' full gradients, padded to a multiple of
+    /// N for the all-reduce.
+    grads: MicroBatchSum,
     /// This rank's shard of the gradient inside the ordered all-reduce.
     grad_shard: Vec<f32>,
     opt: AdamW,
@@ -55,7 +55,7 @@ impl DataParallel {
         }
         Self {
             params: s.start_weights(), // same seed (or checkpoint), same bits, on every rank
-            sums: s.sum_buffers(layout.padded),
+            grads: s.grad_sum(layout.padded),
             grad_shard: vec![0.0; layout.shard_len],
             opt,
             reduce,
@@ -69,21 +69,22 @@ impl DataParallel {
         let numel = s.table.numel();
         // 1. forward/backward on my micro-batches, gradients summed in order
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
-        self.sums.iter_mut().for_each(|sum| sum.fill(0.0));
+        self.grads.reset();
         let mut loss_sum = 0.0;
-        for (i, k) in s.my_micro_batches().enumerate() {
+        for k in s.my_micro_batches() {
             let (loss, grads) = s.forward_backward(&vars, step, k)?;
-            add_grads(&grads, &vars, &mut self.sums[s.sum_group(i)][..numel])?;
+            self.grads.add(|sum| add_grads(&grads, &vars, &mut sum[..numel]))?;
             loss_sum += loss as f64;
         }
         drop(vars);
 
-        // 2. all-reduce: the sum over ranks (and sum groups), then the mean
+        // 2. all-reduce: the sum over ranks, then the mean
+        let sums = self.grads.sums();
         match self.reduce {
-            Reduce::Ordered => s.world.all_reduce_groups(&mut self.sums, &mut self.grad_shard),
-            Reduce::Native => s.world.all_reduce_native(&mut self.sums[0]),
+            Reduce::Ordered => s.world.all_reduce_groups(sums, &mut self.grad_shard),
+            Reduce::Native => s.world.all_reduce_native(&mut sums[0]),
         }
-        let (m, grads) = (s.sampler.micro_batches, &mut self.sums[0][..numel]);
+        let (m, grads) = (s.sampler.micro_batches, &mut sums[0][..numel]);
         scale(grads, m);
 
         // 3. update: the same AdamW step on every rank
@@ -95,24 +96,21 @@ impl DataParallel {
     // ANCHOR: accumulate
     /// The same step in one process: the micro-batches of G groups (one per
     /// simulated rank, `--accumulate N`), each group summed as its rank
-    /// would, the group sums then summed in order — the additions of N-rank
-    /// data parallelism, one by one.
+    /// would, the group sums then added as the pairwise tree over ranks —
+    /// the additions of N-rank data parallelism, one by one.
     pub fn accumulate_step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
         let numel = s.table.numel();
-        let groups = s.sum_groups.groups; // one process: all G sum buffers are mine
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
+        self.grads.reset(); // one process: all G group sums are mine
         let mut loss_sum = 0.0;
-        for (g, sum) in self.sums.iter_mut().enumerate() {
-            sum.fill(0.0);
-            for k in s.sampler.share(g, groups) {
-                let (loss, grads) = s.forward_backward(&vars, step, k)?;
-                add_grads(&grads, &vars, &mut sum[..numel])?;
-                loss_sum += loss as f64;
-            }
+        for k in 0..s.sampler.micro_batches {
+            let (loss, grads) = s.forward_backward(&vars, step, k)?;
+            self.grads.add(|sum| add_grads(&grads, &vars, &mut sum[..numel]))?;
+            loss_sum += loss as f64;
         }
         drop(vars);
         let mut total = vec![0.0f32; numel];
-        sum_in_rank_order(self.sums.iter().map(|g| &g[..numel]), &mut total);
+        sum_pairwise(&self.grads.sums().iter().map(|g| &g[..numel]).collect::<Vec<_>>(), &mut total);
         let m = s.sampler.micro_batches;
         scale(&mut total, m);
         self.opt.step(&mut self.params, &total);
@@ -147,11 +145,11 @@ impl DataParallel {
         t.add("params (fp32)", numel, 4, "full copy on every rank")
             .add(&format!("params as candle Vars ({})", self.precision), numel, self.precision.bytes(), "compute copy, rebuilt each step")
             .add(&format!("grads of one micro-batch ({})", self.precision), numel, self.precision.bytes(), "candle's GradStore")
-            .add("grads (flat sum)", self.sums.len() * self.grad_shard.len() * n, 4, &sums_note(self.sums.len()))
+            .add("grads (flat sum)", s.sum_groups.buffers() * self.grad_shard.len() * n, 4, &sums_note(s.sum_groups.buffers()))
             .add("AdamW m", numel, 4, "full")
             .add("AdamW v", numel, 4, "full");
         if n > 1 && self.reduce == Reduce::Ordered {
-            let (k, padded) = (self.sums.len(), self.grad_shard.len() * n);
+            let (k, padded) = (s.sum_groups.per_rank(), self.grad_shard.len() * n);
             let send = if k > 1 { k * padded } else { 0 }; // groups are packed per destination
             t.add("comm buffers", k * padded + send + self.grad_shard.len(), 4, "all-to-all receive + own shard");
         }
@@ -168,9 +166,9 @@ pub fn scale(grads: &mut [f32], micro_batches: usize) {
     grads.iter_mut().for_each(|g| *g *= inv);
 }
 
-fn sums_note(groups: usize) -> String {
-    match groups {
+fn sums_note(buffers: usize) -> String {
+    match buffers {
         1 => "full, padded to a multiple of N".into(),
-        k => format!("full, padded; one per sum group of mine ({k})"),
+        k => format!("full, padded; {k} partial sums of the pairwise tree at most"),
     }
 }

@@ -28,6 +28,9 @@ struct Args {
     /// How to all-reduce the gradient: ordered (bitwise reproducible) or native (MPI_Allreduce).
     #[arg(long, value_enum, default_value = "ordered")]
     reduce: Reduce,
+    /// Verify every this many steps that the ranks' replicas agree bit for bit (0: never).
+    #[arg(long, default_value_t = 10)]
+    check_every: u64,
     /// Compute precision: fp32, or bf16 (bf16 compute copy and gradients;
     /// fp32 master weights, gradient sums and AdamW state).
     #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<Precision>())]
@@ -53,8 +56,8 @@ fn main() -> ExitCode {
         if train.sum_groups.is_none() && train.resume.is_none() {
             train.sum_groups = args.accumulate; // N simulated ranks sum in N groups (a checkpoint keeps its own)
         }
-        fsdp_harness::edge::agree(world, check(args.train.micro_batches))?;
         let s = Session::with_flags(world, lesson, train, &[("--precision", args.precision.to_string()), ("--reduce", format!("{:?}", args.reduce).to_lowercase())])?;
+        fsdp_harness::edge::agree(world, check(s.sampler.micro_batches as u32))?;
         let k = s.sum_groups.per_rank();
         if args.reduce == Reduce::Native && accumulate.is_none() && k > 1 {
             fsdp_harness::edge::agree(world, Err::<(), _>(anyhow::anyhow!("--reduce native sums one buffer per rank, but this run sums {k} gradient groups per rank (--sum-groups, or the checkpoint's): use --reduce ordered")))?;
@@ -79,19 +82,17 @@ fn main() -> ExitCode {
                 Some(_) => dp.accumulate_step(&s, step)?,
                 None => dp.step(&s, step)?,
             };
-            run.step_done(step, loss);
-            s.check_memory_budget(step)?;
-            if s.checkpoint_due(step) {
-                s.save_checkpoint(step, || dp.checkpoint_pieces(&s))?;
-                run.leave_out_pause(); // the save is not part of the next step's time
-            }
-            if s.args.check_every > 0 && (step % s.args.check_every == 0 || step == s.args.steps) {
+            s.end_step(step, &mut run, loss, || dp.checkpoint_pieces(&s))?; // budget, checkpoint, stop
+            if args.check_every > 0 && (step % args.check_every == 0 || step == s.args.steps) {
                 dp.check_replicas(&s, step)?;
                 checks += 1;
             }
         }
         run.finish();
-        print0!("replica check: {checks} checks, every rank's weights bitwise identical\n");
+        match checks {
+            0 => print0!("replica check: off (--check-every 0)\n"),
+            _ => print0!("replica check: {checks} checks, every rank's weights bitwise identical\n"),
+        }
 
         let n = world.size() as u64;
         let shard = 4 * s.table.numel().div_ceil(world.size()) as u64;

@@ -13,7 +13,7 @@ mod exercise_checks;
 use std::process::ExitCode;
 
 use clap::Parser;
-use fsdp_comm::Collective;
+use fsdp_comm::{Collective, nan_max};
 use fsdp_harness::plot::{Chart, Series};
 use fsdp_harness::report::points_from;
 use fsdp_harness::table::{Table, mb, sci, thousands};
@@ -50,12 +50,7 @@ fn main() -> ExitCode {
         let (mut ref_losses, mut divergence) = (vec![], vec![]);
         for step in s.steps() {
             let r = fsdp.step(&s, step, &mut MemoryTimeline::off())?;
-            run.step_done(step, r.loss);
-            s.check_memory_budget(step)?;
-            if s.checkpoint_due(step) {
-                s.save_checkpoint(step, || fsdp.checkpoint_pieces(&s))?;
-                run.leave_out_pause(); // the save is not part of the next step's time
-            }
+            s.end_step(step, &mut run, r.loss, || fsdp.checkpoint_pieces(&s))?; // budget, checkpoint, stop
             if let (Some(l), Some(d)) = (r.reference_loss, r.divergence) {
                 ref_losses.push(l);
                 divergence.push(d);
@@ -71,7 +66,7 @@ fn main() -> ExitCode {
         // The classic toy's results table.
         let l = fsdp.layout;
         let n = l.world;
-        let max_div = divergence.iter().copied().fold(0.0f32, |a, b| if b.is_nan() || b > a { b } else { a });
+        let max_div = divergence.iter().copied().fold(0.0f32, nan_max);
         let mut t = Table::new(["whole-model shard", "per rank"]);
         t.row(["world size".to_string(), n.to_string()]);
         t.row(["total params".to_string(), thousands(l.numel as u64)]);
@@ -85,7 +80,7 @@ fn main() -> ExitCode {
 
         let (shard, nn) = (4 * l.shard_len as u64, n as u64);
         let k = s.sum_groups.per_rank() as u64; // sum groups of mine: k reduce-scatters' bytes, one all-gather's
-        let mut report = Report::new(&s, &run, fsdp.tally());
+        let mut report = Report::new(&s, &run, fsdp.tally(&s));
         report
             .traffic(training_traffic)
             .table(t.render())

@@ -5,7 +5,7 @@
 //!
 //! 1. **all-gather** the shards into the full weight vector and load it into the model;
 //! 2. **forward/backward** on this rank's micro-batches;
-//! 3. **all-reduce** the gradient (sum in rank order, then the mean);
+//! 3. **all-reduce** the gradient (the pairwise sum over ranks, then the mean);
 //! 4. **update** — AdamW on *only* this rank's shard.
 //!
 //! AdamW is elementwise, so the owner of an element cannot change its new
@@ -13,7 +13,7 @@
 //! step against a fully replicated reference fed the same gradient.
 use std::borrow::Cow;
 
-use fsdp_comm::{ShardLayout, World};
+use fsdp_comm::{MicroBatchSum, ShardLayout, World, nan_max};
 use fsdp_gpt::AdamW;
 use fsdp_gpt::model::add_grads;
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
@@ -28,9 +28,9 @@ pub struct WholeModelShard {
     opt: AdamW,
     /// The all-gather's output: the full, padded parameter vector.
     gathered: Vec<f32>,
-    /// The full gradient sum, padded (one per sum group of mine, by default
-    /// one), and my shard of it inside the all-reduce.
-    sums: Vec<Vec<f32>>,
+    /// The sum of my micro-batches' full gradients, padded, and my shard of
+    /// it inside the all-reduce.
+    grads: MicroBatchSum,
     grad_shard: Vec<f32>,
     /// `--check`: a fully replicated copy (lesson 01's state) fed the same gradient.
     reference: Option<Reference>,
@@ -72,7 +72,7 @@ impl WholeModelShard {
             master,
             opt,
             gathered: vec![0.0; layout.padded],
-            sums: s.sum_buffers(layout.padded),
+            grads: s.grad_sum(layout.padded),
             grad_shard: vec![0.0; layout.shard_len],
             reference,
         }
@@ -89,21 +89,22 @@ impl WholeModelShard {
         tl.mark("all-gather the whole model");
 
         // 2. forward/backward on my micro-batches
-        self.sums.iter_mut().for_each(|sum| sum.fill(0.0));
+        self.grads.reset();
         let mut loss_sum = 0.0;
-        for (i, k) in s.my_micro_batches().enumerate() {
+        for k in s.my_micro_batches() {
             let (loss, grads) = s.forward_backward(&vars, step, k)?;
-            add_grads(&grads, &vars, &mut self.sums[s.sum_group(i)][..numel])?;
+            self.grads.add(|sum| add_grads(&grads, &vars, &mut sum[..numel]))?;
             loss_sum += loss as f64;
             tl.mark(format!("forward+backward, micro-batch {k}"));
         }
         drop(vars); // the full copy is not needed again this step
         tl.mark("drop the full copy");
 
-        // 3. all-reduce: sum over ranks in rank order, then the mean
-        w.all_reduce_groups(&mut self.sums, &mut self.grad_shard);
+        // 3. all-reduce: the sum over ranks, then the mean
+        let sums = self.grads.sums();
+        w.all_reduce_groups(sums, &mut self.grad_shard);
         let inv = 1.0 / s.sampler.micro_batches as f32;
-        let grads = &mut self.sums[0];
+        let grads = &mut sums[0];
         grads.iter_mut().for_each(|g| *g *= inv);
         tl.mark("all-reduce the gradient");
 
@@ -118,7 +119,7 @@ impl WholeModelShard {
             None => (None, None),
             Some(r) => {
                 let ref_loss = reference_loss(s, &r.params, step)?;
-                r.opt.step(&mut r.params, &self.sums[0][..numel]);
+                r.opt.step(&mut r.params, &self.grads.sums()[0][..numel]);
                 let local = max_abs_diff(&self.master, &r.params, mine.start, numel);
                 (Some(ref_loss), Some(max_over_ranks(w, local)))
             }
@@ -139,7 +140,7 @@ impl WholeModelShard {
 
     // ANCHOR: tally
     /// Bytes this rank holds, by category, from shapes.
-    pub fn tally(&self) -> MemoryTally {
+    pub fn tally(&self, s: &Session) -> MemoryTally {
         let (l, numel) = (self.layout, self.layout.numel);
         let n = l.world;
         let mut t = MemoryTally::new();
@@ -150,9 +151,9 @@ impl WholeModelShard {
             .add("gathered full params", l.padded, 4, "all-gather output, full copy")
             .add("params as candle Vars", numel, 4, "compute copy, full")
             .add("grads of one micro-batch", numel, 4, "candle's GradStore, full")
-            .add("grads (flat sum)", self.sums.len() * l.padded, 4, "full, all-reduced");
+            .add("grads (flat sum)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced");
         if n > 1 {
-            let k = self.sums.len(); // sum groups of mine: packed per destination when more than one
+            let k = s.sum_groups.per_rank(); // sum groups of mine: packed per destination when more than one
             t.add("comm buffers", k * l.padded + if k > 1 { k * l.padded } else { 0 } + l.shard_len, 4, "all-to-all receive + own shard");
         }
         if self.reference.is_some() {
@@ -176,7 +177,7 @@ fn reference_loss(s: &Session, params: &[f32], step: u64) -> anyhow::Result<f32>
     Ok((s.world.sum_f64(&[sum])[0] / s.sampler.micro_batches as f64) as f32)
 }
 
-/// max |shard[i] − full[offset + i]| over the shard's real elements.
+/// max |shard[i] − full[offset + i]| over the shard's real elements (NaN if any is NaN).
 fn max_abs_diff(shard: &[f32], full: &[f32], offset: usize, numel: usize) -> f32 {
     let real = numel.saturating_sub(offset).min(shard.len());
     shard[..real].iter().zip(&full[offset..offset + real]).map(|(a, b)| (a - b).abs()).fold(0.0, nan_max)
@@ -184,9 +185,4 @@ fn max_abs_diff(shard: &[f32], full: &[f32], offset: usize, numel: usize) -> f32
 
 fn max_over_ranks(w: &World, local: f32) -> f32 {
     w.gather_control(&[local]).into_iter().fold(0.0, nan_max)
-}
-
-/// `max` that keeps a NaN (f32::max would hide one: a broken run must not read as 0).
-fn nan_max(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b > a { if a.is_nan() { a } else { b } } else { a }
 }

@@ -24,6 +24,7 @@
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use fsdp_gpt::Batch;
+use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::model::{add_grads, add_into, loss as cross_entropy};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_harness::{MemoryTimeline, Session};
@@ -93,9 +94,9 @@ struct Carry {
     upstream: Vec<Tensor>,
     /// The lm_head's part of the tied `wte` gradient, held until the embedding's part arrives.
     head_wte: Vec<Tensor>,
-    /// The root unit's gradient sums (one per sum group of mine), from the
-    /// head to the end of backward.
-    root_grads: Vec<Vec<f32>>,
+    /// The final LayerNorm's gradient (weight, bias), likewise: the root's
+    /// gradient is summed over micro-batches once all its parts exist.
+    head_lnf: Vec<[Tensor; 2]>,
     loss_sum: f64,
 }
 
@@ -112,8 +113,7 @@ impl LayerwiseShard {
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
         let w = s.world;
         let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
-        let root_len = self.units[0].layout.padded;
-        let mut c = Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], root_grads: s.sum_buffers(root_len), loss_sum: 0.0 };
+        let mut c = Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], head_lnf: vec![], loss_sum: 0.0 };
         let plan = schedule(self.units.len() - 1);
         let mut prefetched: Option<Tensor> = None;
         for (at, &phase) in plan.iter().enumerate() {
@@ -147,8 +147,8 @@ impl LayerwiseShard {
 
             // 3. free the unit; after its backward, reduce-scatter its gradient
             drop(params);
-            if let Some(sums) = grad_sum? {
-                self.units[phase.unit()].reduce_scatter(w, &sums);
+            if let Some(mut grads) = grad_sum? {
+                self.units[phase.unit()].reduce_scatter(w, &mut grads);
                 tl.mark(format!("reduce-scatter {}, free it", self.units[phase.unit()].name));
             }
         }
@@ -181,7 +181,7 @@ impl LayerwiseShard {
 // ANCHOR: phases
 /// One schedule entry's compute, on the gathered `p` (the unit's parameters
 /// in its flat order). Returns the unit's gradient sums when they are complete.
-fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carry) -> anyhow::Result<Option<Vec<Vec<f32>>>> {
+fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carry) -> anyhow::Result<Option<MicroBatchSum>> {
     let detached: Vec<Tensor> = p.iter().map(|v| v.as_detached_tensor()).collect(); // forward: no graph
     let tracked: Vec<Tensor> = p.iter().map(|v| v.as_tensor().clone()).collect(); // backward: a graph to the Vars
     let m = &s.model;
@@ -199,40 +199,40 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
         }
         Phase::Head => {
             let (lnf, wte) = (&tracked[2..4], &tracked[0]);
-            for (i, (x, b)) in c.inputs.pop().context("head input")?.into_iter().zip(&c.batches).enumerate() {
+            for (x, b) in c.inputs.pop().context("head input")?.into_iter().zip(&c.batches) {
                 let x = Var::from_tensor(&x)?;
                 let logits = m.head(&lnf[0], &lnf[1], wte, x.as_tensor())?; // (B, T, V)
                 let loss = cross_entropy(&logits, &b.targets)?;
                 let grads = loss.backward()?;
                 c.loss_sum += loss.to_scalar::<f32>()? as f64;
-                add_grads(&grads, &p[2..4], &mut c.root_grads[s.sum_group(i)][unit.ranges[2].start..unit.ranges[3].end])?;
+                let lnf_grad = |v: &Var| grads.get(v).map(Tensor::detach).context("ln_f grad");
+                c.head_lnf.push([lnf_grad(&p[2])?, lnf_grad(&p[3])?]);
                 c.head_wte.push(grads.get(&p[0]).context("wte grad")?.detach());
                 c.upstream.push(grads.get(&x).context("head input grad")?.detach());
             }
             Ok(None)
         }
         Phase::Backward(_) => {
-            let mut sums = s.sum_buffers(unit.layout.padded);
+            let mut sum = s.grad_sum(unit.layout.padded);
             let inputs = c.inputs.pop().context("unit input")?;
-            for (i, (x, g)) in inputs.iter().zip(c.upstream.iter_mut()).enumerate() {
+            for (x, g) in inputs.iter().zip(c.upstream.iter_mut()) {
                 let x = Var::from_tensor(x)?;
                 let out = run_blocks(s, unit, &tracked, x.as_tensor())?; // recompute, with a graph
                 // The gradient of sum(out · g) is g pulled back through the unit.
                 let grads = (out * &*g)?.sum_all()?.backward()?;
-                add_grads(&grads, p, &mut sums[s.sum_group(i)])?;
+                sum.add(|buf| add_grads(&grads, p, buf))?;
                 *g = grads.get(&x).context("unit input grad")?.detach();
             }
-            Ok(Some(sums))
+            Ok(Some(sum))
         }
         Phase::EmbedBackward => {
             // The embedding's backward needs only the token ids and the
             // upstream gradient — no weights, so nothing was gathered.
-            let mut sums = std::mem::take(&mut c.root_grads);
-            let (wte, wpe) = (unit.ranges[0].clone(), unit.ranges[1].clone());
+            let mut sum = s.grad_sum(unit.layout.padded);
+            let r = &unit.ranges; // wte, wpe, ln_f.weight, ln_f.bias
             let dtype = c.upstream.first().map_or(DType::F32, Tensor::dtype); // the compute dtype
             let wpe_var = Var::zeros(s.table.specs[unit.params[1]].shape.as_slice(), dtype, &Device::Cpu)?;
-            for (i, ((b, g), head)) in c.batches.iter().zip(&c.upstream).zip(&c.head_wte).enumerate() {
-                let sum = &mut sums[s.sum_group(i)];
+            for (((b, g), head), lnf) in c.batches.iter().zip(&c.upstream).zip(&c.head_wte).zip(&c.head_lnf) {
                 let ids = b.inputs.flatten_all()?; // (B·T)
                 let rows = Var::zeros((ids.dim(0)?, s.cfg.n_embd), dtype, &Device::Cpu)?; // stand-in for the looked-up rows
                 let grads = (m.add_positions(&rows, &wpe_var, b.inputs.dims2()?)? * g)?.sum_all()?.backward()?;
@@ -240,10 +240,15 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
                 // forms it: the lm_head part, then each token's row gradient
                 // index-added onto it (in token order), then onto the running sum.
                 let tied = head.index_add(&ids, grads.get(&rows).context("row grads")?, 0)?;
-                add_into(&mut sum[wte.clone()], &tied)?;
-                add_into(&mut sum[wpe.clone()], grads.get(&wpe_var).context("wpe grad")?)?;
+                sum.add(|buf| -> anyhow::Result<()> {
+                    add_into(&mut buf[r[0].clone()], &tied)?;
+                    add_into(&mut buf[r[1].clone()], grads.get(&wpe_var).context("wpe grad")?)?;
+                    add_into(&mut buf[r[2].clone()], &lnf[0])?;
+                    add_into(&mut buf[r[3].clone()], &lnf[1])?;
+                    Ok(())
+                })?;
             }
-            Ok(Some(sums))
+            Ok(Some(sum))
         }
     }
 }

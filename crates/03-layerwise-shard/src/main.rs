@@ -15,7 +15,7 @@ use std::process::ExitCode;
 
 use anyhow::anyhow;
 use clap::Parser;
-use fsdp_comm::Collective;
+use fsdp_comm::{Collective, nan_max};
 use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Run, Session, TrainArgs, print0};
@@ -84,12 +84,7 @@ fn main() -> ExitCode {
             timeline.record(step == s.first_step && !args.no_plot);
             let loss = fsdp.step(&s, step, &mut timeline)?;
             timeline.record(false);
-            run.step_done(step, loss);
-            s.check_memory_budget(step)?;
-            if s.checkpoint_due(step) {
-                s.save_checkpoint(step, || fsdp.checkpoint_pieces())?;
-                run.leave_out_pause(); // the save is not part of the next step's time
-            }
+            s.end_step(step, &mut run, loss, || fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
             if let Some(r) = reference.as_mut() {
                 let d = world.untracked(|| -> anyhow::Result<f32> {
                     r.step(&s, step, &mut MemoryTimeline::off())?;
@@ -110,6 +105,7 @@ fn main() -> ExitCode {
         let shape = StepShape {
             micro_batches: s.my_micro_batches().len(),
             sum_groups: s.sum_groups.per_rank(),
+            sum_buffers: s.sum_groups.buffers(),
             batch_size: s.sampler.batch_size,
             seq_len: s.sampler.seq_len,
             n_embd: s.cfg.n_embd,
@@ -176,9 +172,4 @@ fn timeline_figure(s: &Session, whole: &MemoryTimeline, layerwise: &MemoryTimeli
     t.row(["lesson 03 (layer-wise)".to_string(), mb(peaks[1]), layerwise.events.len().to_string()]);
     println!("{}wrote {} and memory_timeline.json", t.render(), path.display());
     Ok(())
-}
-
-/// `max` that keeps a NaN (a broken run must not read as 0).
-fn nan_max(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }
 }

@@ -12,8 +12,10 @@ use crate::units::FsdpUnit;
 pub struct StepShape {
     /// My micro-batches per step (M / N).
     pub micro_batches: usize,
-    /// My gradient sums per unit (`--sum-groups` G / N; by default 1).
+    /// My gradient sums per unit (`--sum-groups` G / N; by default 1): what the reduce-scatter sends.
     pub sum_groups: usize,
+    /// The most partial sums a unit's gradient sum holds at once (the pairwise tree's stack).
+    pub sum_buffers: usize,
     pub batch_size: usize,
     pub seq_len: usize,
     pub n_embd: usize,
@@ -41,11 +43,12 @@ pub fn tally(units: &[FsdpUnit], shape: StepShape, prefetch: bool) -> MemoryTall
     t.add("gathered unit (all-gather output)", big_padded, 4, &format!("largest unit ({}), freed once copied", largest.name))
         .add("unit params as candle Vars", big, 4, &what)
         .add("unit grads of one micro-batch", big, 4, "candle's GradStore, largest unit")
-        .add("unit grad sum", shape.sum_groups * big_padded, 4, "over my micro-batches, then reduce-scattered");
+        .add("unit grad sum", shape.sum_buffers * big_padded, 4, "over my micro-batches, then reduce-scattered");
     if prefetch {
         t.add("next unit, prefetched", big_padded, 4, "--prefetch: its all-gather in flight");
     }
-    t.add("root grad sum", shape.sum_groups * root.padded, 4, "held from the head to the end of backward")
+    t.add("root grad sum", shape.sum_buffers * root.padded, 4, "formed in the embedding's backward")
+        .add("ln_f grads", k * 2 * shape.n_embd, 4, "per micro-batch, from the head to the embedding's backward")
         .add("lm_head part of wte grad", k * shape.vocab_size * shape.n_embd, 4, "per micro-batch, until the embedding's part")
         .add("saved unit inputs", units.len() * k * btc, 4, "activations kept for backward: (B, T, C) per unit")
         .add("upstream gradients", k * btc, 4, "dL/dx at the current unit boundary");

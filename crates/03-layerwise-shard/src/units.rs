@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::{Device, Tensor};
-use fsdp_comm::{ShardLayout, World};
+use fsdp_comm::{MicroBatchSum, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Precision, Unit};
@@ -147,10 +147,9 @@ impl FsdpUnit {
     }
 
     /// **reduce-scatter** the unit's gradient sum over my micro-batches
-    /// (padded, whole unit; one per sum group of mine, by default one): I
-    /// keep the rank-ordered sum of my shard.
-    pub fn reduce_scatter(&mut self, w: &World, sums: &[Vec<f32>]) {
-        w.reduce_scatter_groups(sums, &mut self.grad);
+    /// (padded, whole unit): I keep my shard of the sum over all ranks.
+    pub fn reduce_scatter(&mut self, w: &World, grads: &mut MicroBatchSum) {
+        w.reduce_scatter_groups(grads.sums(), &mut self.grad);
     }
 
     /// AdamW on my shard, with the gradient scaled by `inv` (1 / micro-batches);

@@ -67,12 +67,7 @@ fn main() -> ExitCode {
         s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
         for step in s.steps() {
             let loss = zero.step(&s, step, &mut MemoryTimeline::off())?;
-            run.step_done(step, loss);
-            s.check_memory_budget(step)?;
-            if s.checkpoint_due(step) {
-                s.save_checkpoint(step, || zero.fsdp.checkpoint_pieces())?;
-                run.leave_out_pause(); // the save is not part of the next step's time
-            }
+            s.end_step(step, &mut run, loss, || zero.fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
         }
         run.finish();
         let training_traffic = world.traffic();
@@ -90,6 +85,7 @@ fn main() -> ExitCode {
             compute_bytes: args.precision.bytes(),
             prefetch: zero.fsdp.prefetch,
             sum_groups: s.sum_groups.per_rank(),
+            sum_buffers: s.sum_groups.buffers(),
         };
         // Bytes on the wire: every gather moves the compute dtype, every
         // reduce-scatter fp32; stage 3 gathers each unit twice, stages 1–2

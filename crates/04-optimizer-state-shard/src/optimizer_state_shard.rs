@@ -17,6 +17,7 @@
 //! stage 1 is the whole-graph step below. All three give lesson 01's weights
 //! under the same precision, bit for bit.
 use candle_core::Var;
+use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::model::add_grads;
 use fsdp_harness::{MemoryTimeline, Session};
@@ -71,12 +72,12 @@ fn whole_model_step(units: &mut [FsdpUnit], s: &Session, step: u64, tl: &mut Mem
     tl.mark("compute copy as candle Vars");
 
     // 1. forward/backward on my micro-batches: the *whole* gradient, summed in fp32
-    let mut sums: Vec<Vec<Vec<f32>>> = units.iter().map(|u| s.sum_buffers(u.layout.padded)).collect(); // [unit][sum group]
+    let mut sums: Vec<MicroBatchSum> = units.iter().map(|u| s.grad_sum(u.layout.padded)).collect(); // one per unit
     let mut loss_sum = 0.0;
-    for (i, k) in s.my_micro_batches().enumerate() {
+    for k in s.my_micro_batches() {
         let (loss, grads) = s.forward_backward(&vars, step, k)?;
         for (sum, vs) in sums.iter_mut().zip(&per_unit) {
-            add_grads(&grads, vs, &mut sum[s.sum_group(i)])?;
+            sum.add(|buf| add_grads(&grads, vs, buf))?;
         }
         loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}"));
@@ -84,9 +85,10 @@ fn whole_model_step(units: &mut [FsdpUnit], s: &Session, step: u64, tl: &mut Mem
     drop((vars, per_unit));
 
     // 2. reduce-scatter: I keep the rank-ordered sum of my shard, and free the rest
-    for (u, sum) in units.iter_mut().zip(sums) {
-        u.reduce_scatter(w, &sum);
+    for (u, sum) in units.iter_mut().zip(&mut sums) {
+        u.reduce_scatter(w, sum);
     }
+    drop(sums);
     tl.mark("reduce-scatter the gradient");
 
     // 3. AdamW on my fp32 shard; 4. all-gather the new compute copy (inside `update`)

@@ -39,8 +39,10 @@ pub struct Shapes {
     /// Bytes per element of the compute copy and candle's gradients (2 for bf16).
     pub compute_bytes: usize,
     pub prefetch: bool,
-    /// Gradient sums per unit on each rank (`--sum-groups` G / N; by default 1).
+    /// Gradient sums per unit on each rank (`--sum-groups` G / N; by default 1): what the reduce-scatter sends.
     pub sum_groups: usize,
+    /// The most partial sums one gradient sum holds at once (the pairwise tree's stack).
+    pub sum_buffers: usize,
 }
 
 // ANCHOR: tally
@@ -60,7 +62,7 @@ pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
             .add("AdamW v", sh.numel, 4, "replicated")
             .add(&format!("compute copy as candle Vars ({cdt})"), sh.numel, c, "whole model")
             .add(&format!("grads of one micro-batch ({cdt})"), sh.numel, c, "whole model")
-            .add("grad sum (fp32)", sh.sum_groups * sh.numel.div_ceil(n) * n, 4, "whole model, all-reduced")
+            .add("grad sum (fp32)", sh.sum_buffers * sh.numel.div_ceil(n) * n, 4, "whole model, all-reduced")
             .add("comm buffers", all_reduce, 4, "all-to-all receive + own shard");
         return t;
     }
@@ -79,11 +81,11 @@ pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
         1 => t
             .add(&format!("compute copy as candle Vars ({cdt})"), sh.numel, c, "whole model")
             .add(&format!("grads of one micro-batch ({cdt})"), sh.numel, c, "whole model")
-            .add("grad sums (fp32)", sh.sum_groups * sh.padded, 4, "whole model, until reduce-scattered"),
+            .add("grad sums (fp32)", sh.sum_buffers * sh.padded, 4, "whole model, until reduce-scattered"),
         _ => t
             .add(&format!("unit as candle Vars ({cdt})"), sh.largest, c, "largest unit, freed after use")
             .add(&format!("unit grads of one micro-batch ({cdt})"), sh.largest, c, "largest unit, freed after use")
-            .add("unit grad sum (fp32)", sh.sum_groups * sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
+            .add("unit grad sum (fp32)", sh.sum_buffers * sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
     };
     if stage == 3 && sh.prefetch {
         t.add(&format!("next unit, prefetched ({cdt})"), sh.largest_padded, c, "--prefetch");

@@ -6,11 +6,13 @@
 //! - [`World`]: the MPI world (rank, size) and the collectives —
 //!   `all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `barrier`;
 //!   `World::init` works without mpirun too (a world of one).
-//! - **Ordered reductions**: every element's sum is formed in rank order
-//!   `0, 1, …, N−1`, so `all_reduce ≡ reduce_scatter + all_gather` bit for bit
-//!   at any N. MPI's own reductions pick summation trees that differ between
-//!   collectives and world sizes; the native all-reduce stays available
-//!   ([`World::all_reduce_native`]) for comparison.
+//! - **Ordered reductions** ([`reduce`]): every gradient sum is formed as one
+//!   fixed pairwise tree over the step's micro-batches ([`MicroBatchSum`] on
+//!   each rank, [`sum_pairwise`] across ranks), so `all_reduce ≡
+//!   reduce_scatter + all_gather` bit for bit, and every power-of-two world
+//!   size dividing M gives the bits of one rank. MPI's own reductions pick
+//!   summation trees that differ between collectives and world sizes; the
+//!   native all-reduce stays available ([`World::all_reduce_native`]) for comparison.
 //! - [`ShardLayout`]: who owns which slice of a flat vector, as pure arithmetic.
 //! - [`Traffic`]: calls, bytes and wall time per collective kind.
 //!
@@ -29,7 +31,7 @@ pub mod traffic;
 pub mod world;
 
 pub use layout::{ShardInfo, ShardLayout};
-pub use reduce::{SumGroups, sum_in_rank_order};
+pub use reduce::{MicroBatchSum, SumGroups, nan_max, sum_pairwise};
 pub use traffic::{Collective, Traffic, TrafficStats};
 pub use world::{CommError, World, abort_job};
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).

@@ -1,25 +1,59 @@
-//! The one summation order every reduction in the project uses, and the
-//! grouping of a step's micro-batch gradients before they are summed.
+//! The one summation order every gradient sum in the project uses: a fixed
+//! pairwise tree over the step's micro-batches.
+//!
+//! Floating-point addition is not associative, so "the sum of the
+//! micro-batch gradients" is only a number once its order is fixed. The order
+//! here is a binary tree split at midpoints:
+//!
+//! ```text
+//! sum(0..8) = sum(0..4) + sum(4..8) = ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
+//! ```
+//!
+//! A rank holding a contiguous share of the micro-batches sums its share as
+//! that share's subtree; the ranks' sums are then added as the top of the
+//! tree. When N is a power of two dividing M, every rank's share *is* a
+//! subtree, so N ranks compute exactly the additions one rank does: the bits
+//! do not depend on the world size, for the same bytes on the wire as any
+//! other order (one sum per rank). MPI's own reductions pick their trees by
+//! world size and message size; the native all-reduce stays available
+//! ([`crate::World::all_reduce_native`]) for comparison.
+use std::collections::HashSet;
+use std::ops::Range;
 
-/// `out = contributions[0] + contributions[1] + … ` element by element,
-/// added strictly left to right (rank order). Floating-point addition is not
-/// associative; fixing the order is what makes results independent of which
-/// collective (or which MPI algorithm) carried the data.
-pub fn sum_in_rank_order<'a>(mut contributions: impl Iterator<Item = &'a [f32]>, out: &mut [f32]) {
-    let first = contributions.next().expect("at least one contribution");
-    out.copy_from_slice(first);
-    for c in contributions {
-        assert_eq!(c.len(), out.len(), "contributions differ in length");
-        out.iter_mut().zip(c).for_each(|(o, x)| *o += x);
+/// `out = parts[0] + parts[1] + …`, added as a pairwise tree split at the
+/// midpoint: `sum(parts) = sum(left half) + sum(right half)`.
+pub fn sum_pairwise(parts: &[&[f32]], out: &mut [f32]) {
+    match parts {
+        [] => panic!("sum_pairwise: nothing to sum"),
+        [only] => out.copy_from_slice(only),
+        _ => {
+            let mid = parts.len() / 2;
+            sum_pairwise(&parts[..mid], out);
+            let mut right = vec![0f32; out.len()];
+            sum_pairwise(&parts[mid..], &mut right);
+            add_assign(out, &right);
+        }
     }
 }
 
+fn add_assign(out: &mut [f32], x: &[f32]) {
+    assert_eq!(out.len(), x.len(), "summands differ in length");
+    out.iter_mut().zip(x).for_each(|(o, x)| *o += x);
+}
+
+/// `max` that keeps a NaN: a broken run must not read as "0 divergence"
+/// (`f32::max` drops a NaN, and so does a comparison-based max).
+pub fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }
+}
+
 // ANCHOR: sum_groups
-/// `--sum-groups G`: a step's M micro-batch gradients are summed in G groups
-/// of M/G consecutive micro-batches — each group left to right, then the
-/// group sums left to right. Each rank holds G/N whole groups, so this order
-/// is the same at every world size N that divides G; by default G = N (one
-/// sum per rank, the fewest bytes), which fixes the rounding per N.
+/// How a step's M micro-batch gradients are summed: in G groups of M/G
+/// consecutive micro-batches, each group as a pairwise tree, the G group
+/// sums then as a pairwise tree. Each rank holds G/N whole groups and sends
+/// their sums. By default G = N (one sum per rank: the fewest bytes), which
+/// gives every power-of-two N dividing M the same bits; `--sum-groups G`
+/// gives every N dividing G the same bits, at G/N times the bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SumGroups {
     pub groups: usize,
@@ -44,63 +78,251 @@ impl SumGroups {
         self.groups / self.world
     }
 
-    /// Which of my group sums the `i`-th of my micro-batches is added to.
-    pub fn local_group(&self, i: usize) -> usize {
-        i / (self.micro_batches / self.groups)
+    /// Micro-batches per group.
+    fn group_len(&self) -> usize {
+        self.micro_batches / self.groups
+    }
+
+    /// Every sum the whole step forms, as the range of micro-batches it
+    /// covers: two plans give the same bits exactly when these sets are equal.
+    pub fn tree(&self) -> HashSet<Range<usize>> {
+        let q = self.group_len();
+        let mut nodes = HashSet::new();
+        // The top of the tree, over whole groups …
+        tree_nodes(0..self.groups, &mut |r| {
+            nodes.insert(r.start * q..r.end * q);
+        });
+        // … and inside every group, over its micro-batches.
+        for g in 0..self.groups {
+            tree_nodes(g * q..(g + 1) * q, &mut |r| {
+                nodes.insert(r);
+            });
+        }
+        nodes
+    }
+
+    /// Whether `other` forms exactly the same sums (then the same bits).
+    pub fn same_order(&self, other: &SumGroups) -> bool {
+        self.tree() == other.tree()
+    }
+
+    /// The most buffers a [`MicroBatchSum`] holds at once: the group sums
+    /// finished so far plus the partial sums on its stack.
+    pub fn buffers(&self) -> usize {
+        let nodes = group_tree(self.group_len());
+        let (mut most, mut stack) = (0, Vec::<(Range<usize>, ())>::new());
+        for g in 0..self.per_rank() {
+            for i in 0..self.group_len() {
+                stack.push((i..i + 1, ()));
+                most = most.max(g + stack.len());
+                merge_siblings(&nodes, &mut stack, |_, _| {});
+            }
+            stack.clear();
+        }
+        most
     }
 }
 // ANCHOR_END: sum_groups
+
+/// Calls `f` on every node of the midpoint tree over `r` (leaves included).
+fn tree_nodes(r: Range<usize>, f: &mut impl FnMut(Range<usize>)) {
+    f(r.clone());
+    if r.len() > 1 {
+        let mid = r.start + r.len() / 2;
+        tree_nodes(r.start..mid, f);
+        tree_nodes(mid..r.end, f);
+    }
+}
+
+fn group_tree(len: usize) -> HashSet<Range<usize>> {
+    let mut nodes = HashSet::new();
+    tree_nodes(0..len, &mut |r| {
+        nodes.insert(r);
+    });
+    nodes
+}
+
+/// While the top two entries of `stack` are the two children of one tree
+/// node, replaces them by that node, `merge(left, right)` forming its value.
+fn merge_siblings<T>(nodes: &HashSet<Range<usize>>, stack: &mut Vec<(Range<usize>, T)>, mut merge: impl FnMut(&mut T, T)) {
+    while stack.len() >= 2 {
+        let n = stack.len();
+        let joined = stack[n - 2].0.start..stack[n - 1].0.end;
+        if !nodes.contains(&joined) {
+            break;
+        }
+        let (_, right) = stack.pop().expect("right half");
+        let (range, left) = stack.last_mut().expect("left half");
+        merge(left, right);
+        *range = joined;
+    }
+}
+
+// ANCHOR: micro_batch_sum
+/// This rank's sum of its micro-batch gradients, formed in the fixed
+/// pairwise order of [`SumGroups`] as the gradients arrive one by one.
+///
+/// A lesson sees one buffer per micro-batch: [`MicroBatchSum::add`] hands it
+/// a zeroed vector to add the gradient onto. Behind it, finished subtrees are
+/// merged as soon as both halves exist (a post-order walk of the tree), so at
+/// most about log₂(M/N) + 1 partial sums are alive at once.
+pub struct MicroBatchSum {
+    plan: SumGroups,
+    len: usize,
+    nodes: HashSet<Range<usize>>,
+    /// Partial sums not yet merged: the micro-batches each covers, and its values.
+    stack: Vec<(Range<usize>, Vec<f32>)>,
+    /// Finished group sums, one per group of mine, in order.
+    sums: Vec<Vec<f32>>,
+    /// Buffers to reuse, so a step allocates nothing after the first.
+    spare: Vec<Vec<f32>>,
+    added: usize,
+}
+
+impl MicroBatchSum {
+    /// An empty sum of vectors of `len` elements, in the order of `plan`.
+    pub fn new(plan: SumGroups, len: usize) -> Self {
+        let nodes = group_tree(plan.group_len());
+        Self { plan, len, nodes, stack: vec![], sums: vec![], spare: vec![], added: 0 }
+    }
+
+    /// Adds the next of my micro-batches (in order): `add` adds its gradient
+    /// onto the zeroed buffer it is given.
+    pub fn add<R>(&mut self, add: impl FnOnce(&mut [f32]) -> R) -> R {
+        assert!(self.added < self.plan.micro_batches / self.plan.world, "more micro-batches than this rank holds");
+        let mut buf = self.spare.pop().unwrap_or_default();
+        buf.clear();
+        buf.resize(self.len, 0.0);
+        let r = add(&mut buf);
+        let i = self.added % self.plan.group_len();
+        self.stack.push((i..i + 1, buf));
+        self.added += 1;
+        let spare = &mut self.spare;
+        merge_siblings(&self.nodes, &mut self.stack, |left, right| {
+            add_assign(left, &right); // left + right: a node of the tree
+            spare.push(right);
+        });
+        if self.stack.len() == 1 && self.stack[0].0.len() == self.plan.group_len() {
+            let (_, sum) = self.stack.pop().expect("a finished group");
+            self.sums.push(sum);
+        }
+        r
+    }
+
+    /// My group sums, once all my micro-batches are added: what the
+    /// reduce-scatter sends (one vector by default).
+    pub fn sums(&mut self) -> &mut [Vec<f32>] {
+        assert_eq!(self.sums.len(), self.plan.per_rank(), "the sum is complete only after every micro-batch of mine");
+        &mut self.sums
+    }
+
+    /// Empties the sum for the next step, keeping its buffers.
+    pub fn reset(&mut self) {
+        self.spare.extend(self.sums.drain(..));
+        self.spare.extend(self.stack.drain(..).map(|(_, b)| b));
+        self.added = 0;
+    }
+
+    /// Elements per buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+// ANCHOR_END: micro_batch_sum
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// What N ranks compute for one element: my groups' sums, then the
-    /// reduce-scatter's left-to-right sum over all ranks' groups.
+    /// M values whose sum depends on the order of the additions.
+    fn values(m: usize) -> Vec<f32> {
+        (0..m).map(|i| 1.0 + (i as f32) * 1e-7 * if i % 2 == 0 { 1e7 } else { -3.3 }).collect()
+    }
+
+    /// What N ranks compute for one element: each rank's groups through a
+    /// MicroBatchSum, then the pairwise sum of every rank's group sums.
     fn as_ranks_would(values: &[f32], groups: usize, world: usize) -> f32 {
         let plan = SumGroups::new(groups, values.len(), world).unwrap();
         let per_rank = values.len() / world;
         let mut all_groups = vec![];
         for r in 0..world {
-            let mut sums = vec![vec![0f32]; plan.per_rank()];
-            for (i, v) in values[r * per_rank..(r + 1) * per_rank].iter().enumerate() {
-                sums[plan.local_group(i)][0] += v;
+            let mut s = MicroBatchSum::new(plan, 1);
+            for v in &values[r * per_rank..(r + 1) * per_rank] {
+                s.add(|b| b[0] += v);
             }
-            all_groups.extend(sums);
+            all_groups.extend(s.sums().iter().cloned());
         }
         let mut out = [0f32];
-        sum_in_rank_order(all_groups.iter().map(Vec::as_slice), &mut out);
+        sum_pairwise(&all_groups.iter().map(Vec::as_slice).collect::<Vec<_>>(), &mut out);
         out[0]
     }
 
+    /// The tree written out by hand, recursively.
+    fn tree_sum(v: &[f32]) -> f32 {
+        if v.len() == 1 { 0.0 + v[0] } else { tree_sum(&v[..v.len() / 2]) + tree_sum(&v[v.len() / 2..]) }
+    }
+
     #[test]
-    fn a_fixed_grouping_rounds_the_same_at_every_world_size() {
-        // Twelve values whose sum depends on the order of the additions.
-        let values: Vec<f32> = (0..12).map(|i| 1.0 + (i as f32) * 1e-7 * if i % 2 == 0 { 1e7 } else { -3.3 }).collect();
-        let at = |g, n| as_ranks_would(&values, g, n).to_bits();
-        // One group per rank (the default): the bits depend on N …
-        let per_world: Vec<u32> = [1, 2, 3, 4, 6, 12].iter().map(|&n| at(n, n)).collect();
-        assert!(per_world.iter().any(|&b| b != per_world[0]), "{per_world:?}");
-        // … twelve groups: the same bits at every N dividing 12.
-        for n in [1, 2, 3, 4, 6, 12] {
-            assert_eq!(at(12, n), at(12, 1), "world {n}");
+    fn one_rank_sums_the_midpoint_tree() {
+        for m in [1, 2, 3, 5, 7, 12, 24] {
+            let v = values(m);
+            assert_eq!(as_ranks_would(&v, 1, 1).to_bits(), tree_sum(&v).to_bits(), "M = {m}");
         }
-        assert_eq!(at(4, 2), at(4, 4));
+    }
+
+    #[test]
+    fn the_default_gives_every_power_of_two_world_the_same_bits() {
+        let v = values(24);
+        let one = as_ranks_would(&v, 1, 1).to_bits();
+        for n in [2, 4, 8] {
+            assert_eq!(as_ranks_would(&v, n, n).to_bits(), one, "N = {n}");
+            assert!(SumGroups::new(n, 24, n).unwrap().same_order(&SumGroups::new(1, 24, 1).unwrap()));
+        }
+        // N = 3 splits 24 as 8 + 8 + 8, not at the midpoint: another order.
+        assert!(!SumGroups::new(3, 24, 3).unwrap().same_order(&SumGroups::new(1, 24, 1).unwrap()));
+        let per_world: Vec<u32> = [1, 3, 6, 12].iter().map(|&n| as_ranks_would(&v, n, n).to_bits()).collect();
+        assert!(per_world.iter().any(|&b| b != per_world[0]), "these values do tell orders apart: {per_world:?}");
+    }
+
+    #[test]
+    fn fixed_groups_round_the_same_at_every_world_size_dividing_them() {
+        let v = values(12);
+        for n in [1, 2, 3, 4, 6, 12] {
+            assert_eq!(as_ranks_would(&v, 12, n).to_bits(), as_ranks_would(&v, 12, 1).to_bits(), "world {n}");
+        }
+        assert_eq!(as_ranks_would(&v, 4, 2), as_ranks_would(&v, 4, 4));
         assert!(SumGroups::new(4, 12, 3).is_err() && SumGroups::new(5, 12, 1).is_err() && SumGroups::new(0, 12, 1).is_err());
     }
 
     #[test]
-    fn order_is_left_to_right() {
-        // (1e8 + 1) − 1e8 = 0 in f32 but 1e8 + (1 − 1e8) = 1... order matters, and is fixed.
-        let a = [1e8f32];
-        let b = [1f32];
-        let c = [-1e8f32];
+    fn the_stack_stays_logarithmic_and_buffers_says_how_deep() {
+        for (m, g, n, most) in [(1, 1, 1, 1), (2, 1, 1, 2), (4, 1, 1, 3), (24, 2, 2, 4), (24, 12, 1, 13), (8, 8, 8, 1)] {
+            let plan = SumGroups::new(g, m, n).unwrap();
+            assert_eq!(plan.buffers(), most, "M {m}, G {g}, N {n}");
+            let mut s = MicroBatchSum::new(plan, 3);
+            for _ in 0..m / n {
+                s.add(|b| b[0] = 1.0);
+                assert!(s.stack.len() + s.sums.len() <= most);
+            }
+            assert_eq!(s.sums().len(), g / n);
+            s.reset();
+            assert!(s.spare.len() <= most);
+        }
+    }
+
+    #[test]
+    fn pairwise_is_left_half_plus_right_half() {
+        // (1e8 + 1) + (−1e8 + 0) … the tree fixes which additions round.
+        let (a, b, c, d) = ([1e8f32], [1f32], [-1e8f32], [0f32]);
         let mut out = [0f32];
-        sum_in_rank_order([&a[..], &b[..], &c[..]].into_iter(), &mut out);
-        assert_eq!(out[0], 0.0);
-        sum_in_rank_order([&b[..], &a[..], &c[..]].into_iter(), &mut out);
-        assert_eq!(out[0], 0.0);
-        sum_in_rank_order([&a[..], &c[..], &b[..]].into_iter(), &mut out);
-        assert_eq!(out[0], 1.0);
+        sum_pairwise(&[&a, &b, &c, &d], &mut out);
+        assert_eq!(out[0], (1e8f32 + 1.0) + (-1e8f32 + 0.0));
+        sum_pairwise(&[&a, &c, &b], &mut out);
+        assert_eq!(out[0], 1e8f32 + (-1e8f32 + 1.0));
+        assert!(nan_max(0.0, f32::NAN).is_nan() && nan_max(f32::NAN, 1.0).is_nan() && nan_max(1.0, 2.0) == 2.0);
     }
 }

@@ -8,7 +8,7 @@ use mpi::traits::*;
 use thiserror::Error;
 
 use crate::layout::ShardLayout;
-use crate::reduce::sum_in_rank_order;
+use crate::reduce::sum_pairwise;
 use crate::traffic::{Collective, Traffic};
 
 #[derive(Debug, Error)]
@@ -115,10 +115,11 @@ impl World {
 
     /// **reduce-scatter**, ordered: `full` is this rank's contribution to the
     /// whole (padded) vector, N shards long; afterwards `mine` holds the sum
-    /// over ranks of this rank's shard, added in rank order 0..N−1.
+    /// over ranks of this rank's shard, added as the pairwise tree over ranks
+    /// 0..N−1 (see [`crate::reduce`]).
     ///
     /// Implemented as an all-to-all (rank j receives everyone's shard j),
-    /// then a local sum in rank order: the same bytes on the wire as a ring
+    /// then a local pairwise sum: the same bytes on the wire as a ring
     /// reduce-scatter, but a summation order that never depends on N's
     /// factorisation or on MPI's choice of algorithm.
     pub fn reduce_scatter(&self, full: &[f32], mine: &mut [f32]) {
@@ -137,7 +138,7 @@ impl World {
         let mut scratch = self.scratch.borrow_mut();
         scratch.resize(full.len(), 0.0);
         self.comm.all_to_all_into(full, &mut scratch[..]);
-        sum_in_rank_order(scratch.chunks_exact(mine.len()), mine);
+        sum_pairwise(&scratch.chunks_exact(mine.len()).collect::<Vec<_>>(), mine);
     }
     // ANCHOR_END: ordered_reduce_scatter
 
@@ -145,8 +146,8 @@ impl World {
     /// **reduce-scatter of several sums per rank** (`--sum-groups`): this
     /// rank's `groups` are the gradient sums of its consecutive groups of
     /// micro-batches, each a whole padded vector. Afterwards `mine` holds my
-    /// shard of the sum of *all* groups of all ranks, added in global group
-    /// order (rank 0's groups, then rank 1's, …). With one group per rank it
+    /// shard of the sum of *all* groups of all ranks, added as the pairwise
+    /// tree over the groups in global order (rank 0's, then rank 1's, …). With one group per rank it
     /// is [`World::reduce_scatter`], bit for bit and byte for byte; with G
     /// groups in all, the sum no longer depends on how many ranks hold them.
     pub fn reduce_scatter_groups(&self, groups: &[Vec<f32>], mine: &mut [f32]) {
@@ -176,7 +177,7 @@ impl World {
         } else {
             self.comm.all_to_all_into(&send[..], &mut scratch[..]);
         }
-        sum_in_rank_order(scratch.chunks_exact(n), mine);
+        sum_pairwise(&scratch.chunks_exact(n).collect::<Vec<_>>(), mine);
     }
     // ANCHOR_END: grouped_reduce_scatter
 

@@ -24,6 +24,7 @@
 //! |---|---|
 //! | [`config`] | presets `tiny`, `small`, `gpt2` and derived sizes |
 //! | [`params`] | the parameter order, nanoGPT names, flat layout, deterministic init |
+//! | [`kernels`] | our own matmul: the same bits on every machine (candle's depends on the CPU) |
 //! | [`model`] | the forward pass, also one unit (embedding, block, head) at a time |
 //! | [`data`] | the generated default corpus, the vocabulary, the world-size-invariant sampler |
 //! | [`adamw`] | AdamW over flat `f32` slices, `torch.optim.AdamW` semantics |
@@ -34,6 +35,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod kernels;
 pub mod model;
 pub mod params;
 pub mod precision;

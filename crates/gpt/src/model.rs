@@ -16,6 +16,7 @@ use candle_core::{D, DType, Device, Tensor, Var};
 
 use crate::config::GptConfig;
 use crate::error::{GptError, Result};
+use crate::kernels::matmul;
 use crate::params::{PARAMS_PER_BLOCK, ParamTable, Unit};
 
 const LN_EPS: f64 = 1e-5;
@@ -120,11 +121,11 @@ impl Gpt {
             Ok(qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hs))?.transpose(1, 2)?.contiguous()?)
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let att = (q.matmul(&k.t()?)? * (1.0 / (hs as f64).sqrt()))?; // (B, nh, T, T)
+        let att = (matmul(&q, &k.t()?)? * (1.0 / (hs as f64).sqrt()))?; // (B, nh, T, T)
         let att = att.broadcast_add(&causal_mask(t, x.dtype())?)?;
         // `ops::softmax`, not the fused `softmax_last_dim`: the fused one has no backward.
         let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-        let y = att.matmul(&v)?; // (B, nh, T, hs)
+        let y = matmul(&att, &v)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b, t, c))?; // re-assemble the heads
         linear(&y, &p[2], &p[3])
     }
@@ -133,7 +134,7 @@ impl Gpt {
     pub fn head(&self, ln_w: &Tensor, ln_b: &Tensor, wte: &Tensor, x: &Tensor) -> Result<Tensor> {
         let x = layer_norm(x, ln_w, ln_b)?;
         let (b, t, c) = x.dims3()?;
-        Ok(x.reshape((b * t, c))?.matmul(&wte.t()?)?.reshape((b, t, self.cfg.vocab_size))?)
+        Ok(matmul(&x.reshape((b * t, c))?, &wte.t()?)?.reshape((b, t, self.cfg.vocab_size))?)
     }
 
     /// The whole forward pass: `params` in table order. (B, T) → (B, T, V).
@@ -164,7 +165,7 @@ pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// `x @ w.T + b` with torch's (out, in) weight layout. (B, T, in) → (B, T, out).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (bs, t, cin) = x.dims3()?;
-    let y = x.reshape((bs * t, cin))?.matmul(&w.t()?)?.broadcast_add(b)?; // (B*T, out)
+    let y = matmul(&x.reshape((bs * t, cin))?, &w.t()?)?.broadcast_add(b)?; // (B*T, out)
     Ok(y.reshape((bs, t, w.dims()[0]))?)
 }
 

@@ -81,6 +81,10 @@ pub struct Meta {
     pub world_size: usize,
     /// `--sum-groups`: how many groups the M micro-batch gradients were summed in.
     pub sum_groups: usize,
+    /// Whether that grouping was chosen with `--sum-groups` (a resume keeps
+    /// it) or is the default, one group per rank (a resume takes its own).
+    #[serde(default)]
+    pub sum_groups_given: bool,
     pub model: ModelMeta,
     pub data: DataMeta,
     pub adamw: AdamWMeta,
@@ -464,6 +468,7 @@ mod tests {
             step,
             world_size: world,
             sum_groups: world,
+            sum_groups_given: false,
             model: ModelMeta { preset: "tiny".into(), vocab_size: 65, block_size: c.block_size, n_layer: c.n_layer, n_head: c.n_head, n_embd: c.n_embd, params: table.numel() },
             data: DataMeta { source: "generated".into(), vocab: String::new(), tokens: 0, tokens_digest: String::new(), batch_size: 1, seq_len: 1, micro_batches: world, seed: 1, next_step: step + 1 },
             adamw: AdamWMeta { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, t: step as u32 },

@@ -45,20 +45,44 @@ pub fn check_paths(world: &World, args: &TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--sum-groups`, else the checkpoint's grouping, else one group per rank.
-pub fn sum_groups(args: &TrainArgs, world: usize, meta: Option<&Meta>) -> anyhow::Result<SumGroups> {
-    let m = args.micro_batches as usize;
+/// `--sum-groups`, else the grouping a checkpoint was saved with `--sum-groups`
+/// under, else one group per rank; and whether it was chosen (not the default).
+pub fn sum_groups(args: &TrainArgs, world: usize, meta: Option<&Meta>) -> anyhow::Result<(SumGroups, bool)> {
+    let m = args.micro_batches.expect("resolved by the session") as usize;
     let g = match (args.sum_groups, meta) {
         (Some(g), _) => g as usize,
-        (None, Some(meta)) if meta.sum_groups % world != 0 => bail!(
+        (None, Some(meta)) if meta.sum_groups_given && meta.sum_groups % world != 0 => bail!(
             "the checkpoint summed each step's gradients in {g} group(s); {world} ranks cannot split them: resume on a world size dividing {g}, \
              or pass --sum-groups (a multiple of {world}) to continue with another rounding (then not bit for bit an uninterrupted run)",
             g = meta.sum_groups
         ),
-        (None, Some(meta)) => meta.sum_groups,
-        (None, None) => world,
+        (None, Some(meta)) if meta.sum_groups_given => meta.sum_groups,
+        (None, _) => world,
     };
-    SumGroups::new(g, m, world).map_err(|e| anyhow!(e))
+    let given = args.sum_groups.is_some() || meta.is_some_and(|m| m.sum_groups_given);
+    Ok((SumGroups::new(g, m, world).map_err(|e| anyhow!(e))?, given))
+}
+
+/// What a resumed run does differently from the uninterrupted run the
+/// checkpoint came from: a line for each, printed and kept in report.json.
+pub fn resume_notes(meta: &Meta, now: SumGroups) -> Vec<String> {
+    let (m_then, m_now) = (meta.data.micro_batches, now.micro_batches);
+    if m_then != m_now {
+        return vec![format!(
+            "--micro-batches {m_now} where the checkpoint trained with {m_then}: the global batch changes from step {} on, so this is another run from here",
+            meta.step + 1
+        )];
+    }
+    let then = SumGroups { groups: meta.sum_groups, micro_batches: m_then, world: meta.world_size };
+    if then.same_order(&now) {
+        return vec![];
+    }
+    vec![format!(
+        "the gradients are summed in another order than the checkpoint's run ({} rank{} then, {} now): training continues, but differs from an uninterrupted run by rounding (for the same bits, resume on a power-of-two world size dividing {m_now}, or save with --sum-groups G and resume on a divisor of G)",
+        meta.world_size,
+        if meta.world_size == 1 { "" } else { "s" },
+        now.world
+    )]
 }
 
 /// FNV-1a of the token ids: equal digests, equal batches.
@@ -130,7 +154,6 @@ pub fn check_resume(s: &Session, meta: &Meta) -> anyhow::Result<()> {
     }
     mismatch("--batch-size", meta.data.batch_size.to_string(), data.batch_size.to_string())?;
     mismatch("--seq-len", meta.data.seq_len.to_string(), data.seq_len.to_string())?;
-    mismatch("--micro-batches", meta.data.micro_batches.to_string(), data.micro_batches.to_string())?;
     mismatch("--seed", meta.data.seed.to_string(), data.seed.to_string())?;
     mismatch("--lr", meta.adamw.lr.to_string(), s.adamw.lr.to_string())?;
     mismatch("--weight-decay", meta.adamw.weight_decay.to_string(), s.adamw.weight_decay.to_string())?;
@@ -159,7 +182,7 @@ impl Session<'_> {
     pub fn save_checkpoint<'a>(&self, step: u64, pieces: impl FnOnce() -> Vec<ShardPiece<'a>>) -> anyhow::Result<()> {
         let w = self.world;
         let Some(ckpt) = self.args.ckpt.as_deref() else { return Ok(()) };
-        crate::alloc::host_side(|| w.untracked(|| self.save_untracked(ckpt, step, &pieces())))
+        crate::stop::while_writing(|| crate::alloc::host_side(|| w.untracked(|| self.save_untracked(ckpt, step, &pieces()))))
     }
 
     fn save_untracked(&self, ckpt: &Path, step: u64, pieces: &[ShardPiece]) -> anyhow::Result<()> {
@@ -175,7 +198,18 @@ impl Session<'_> {
             false => Ok(()),
         };
         agree(w, prepared)?;
+        let saved = self.write_and_commit(ckpt, &partial, step, pieces, t0);
+        if saved.is_err() && w.is_root() {
+            // A failed save (a full disk, say) must not keep holding the space:
+            // every rank is past its write (the failure was agreed on).
+            let _ = std::fs::remove_dir_all(&partial);
+        }
+        saved
+    }
 
+    /// Steps 2–4 of a save, into the `partial` folder rank 0 made.
+    fn write_and_commit(&self, ckpt: &Path, partial: &Path, step: u64, pieces: &[ShardPiece], t0: Instant) -> anyhow::Result<()> {
+        let w = self.world;
         // 2. every rank writes and fsyncs its own shard
         let name = checkpoint::shard_file_name(w.rank(), w.size());
         let written = checkpoint::shard_bytes(pieces, w.rank(), w.size(), step).and_then(|bytes| {
@@ -215,6 +249,7 @@ impl Session<'_> {
                     step,
                     world_size: w.size(),
                     sum_groups: self.sum_groups.groups,
+                    sum_groups_given: self.sum_groups_given,
                     model: model_meta(self),
                     data: data_meta(self, step + 1),
                     adamw: AdamWMeta {

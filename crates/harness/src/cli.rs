@@ -39,8 +39,9 @@ pub struct TrainArgs {
 
     /// Micro-batches per optimizer step (M), over all ranks together: the
     /// global batch is M·B·T tokens at every world size; each rank takes M/N.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub micro_batches: u32,
+    /// Default: 4, or the checkpoint's under --resume.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub micro_batches: Option<u32>,
 
     /// Train on this UTF-8 text file instead of the generated corpus.
     #[arg(long)]
@@ -54,10 +55,6 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub log_every: u64,
 
-    /// Verify every this many steps that the ranks' copies agree bit for bit (0: never).
-    #[arg(long, default_value_t = 10)]
-    pub check_every: u64,
-
     /// Heap budget per rank, like a GPU's memory (e.g. 120MB, 1.5GB): the
     /// counting allocator flags the first allocation beyond it, and the run
     /// stops on every rank with an out-of-memory error at the end of that step.
@@ -67,7 +64,9 @@ pub struct TrainArgs {
     /// Sum each step's micro-batch gradients in G groups of consecutive
     /// micro-batches (G divides --micro-batches; the world size divides G):
     /// the same bits at every world size dividing G, at G/N times the
-    /// reduce-scatter bytes. Default: one group per rank (or the checkpoint's).
+    /// reduce-scatter bytes. Default: one group per rank, which already gives
+    /// every power-of-two world size dividing M the same bits (a checkpoint
+    /// saved with --sum-groups keeps its G).
     #[arg(long, value_name = "G", value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub sum_groups: Option<u32>,
 

@@ -69,6 +69,7 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
         }
     };
     IS_ROOT.store(world.is_root(), Relaxed);
+    crate::stop::install(world.is_root(), std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some());
     RANK.store(world.rank(), Relaxed);
     SIZE.store(world.size(), Relaxed);
     std::panic::set_hook(Box::new(|info| {
@@ -105,31 +106,34 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
     }
 }
 
-/// Setup's agreement: every rank learns whether every rank succeeded. Rank 0
-/// prints its own error; a rank that failed alone prints its own, prefixed
-/// with its number. All ranks then return an error together.
+/// Setup's agreement: every rank learns whether every rank succeeded, and
+/// rank 0 prints one line: its own error, or else the first failed rank's
+/// ("error (rank 1): …"), sent to it with the agreement. All ranks then
+/// return an error together.
 pub fn agree<T>(world: &World, result: anyhow::Result<T>) -> anyhow::Result<T> {
-    let flags = world.gather_control(&[result.is_err() as u8]);
-    let root_failed = flags[0] == 1;
-    match result {
-        Ok(v) if flags.iter().all(|&f| f == 0) => Ok(v),
-        Ok(_) => {
-            if world.is_root() {
-                let failed: Vec<String> =
-                    flags.iter().enumerate().filter(|(_, f)| **f == 1).map(|(r, _)| r.to_string()).collect();
-                eprintln!("error: failed on rank {} (its message is above)", failed.join(", "));
-            }
-            Err(Stop::Reported.into())
+    // One fixed-size record per rank: a failure flag, then the message.
+    const RECORD: usize = 1024;
+    let mut mine = [0u8; RECORD];
+    if let Err(e) = &result {
+        let msg = format!("{e:#}");
+        let mut end = msg.len().min(RECORD - 1);
+        while !msg.is_char_boundary(end) {
+            end -= 1;
         }
-        Err(e) => {
-            if world.is_root() {
-                eprintln!("error: {e:#}");
-            } else if !root_failed {
-                eprintln!("error (rank {}): {e:#}", world.rank());
-            }
-            Err(Stop::Reported.into())
+        mine[0] = 1;
+        mine[1..1 + end].copy_from_slice(&msg.as_bytes()[..end]);
+    }
+    let all = world.gather_control(&mine);
+    let Some((rank, record)) = all.chunks_exact(RECORD).enumerate().find(|(_, r)| r[0] == 1) else { return result };
+    if world.is_root() {
+        let text = &record[1..];
+        let msg = String::from_utf8_lossy(&text[..text.iter().position(|&b| b == 0).unwrap_or(text.len())]);
+        match rank {
+            0 => eprintln!("error: {msg}"),
+            r => eprintln!("error (rank {r}): {msg}"),
         }
     }
+    Err(Stop::Reported.into())
 }
 
 /// The edge of a tool that runs without MPI (`fsdp-eval`, `fsdp-export`):

@@ -34,6 +34,7 @@
 //! | [`checkpoint`] | sharded checkpoints on disk: atomic save, checksummed load, any world size |
 //! | [`checkpointing`] | the session's side: flags, resume checks, the collective save |
 //! | [`edge`] | `main`: errors reported once, on rank 0, every rank ends |
+//! | [`stop`] | SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit |
 
 pub mod alloc;
 pub mod checkpoint;
@@ -44,6 +45,7 @@ pub mod plot;
 pub mod report;
 pub mod run;
 pub mod session;
+pub mod stop;
 pub mod table;
 pub mod timeline;
 

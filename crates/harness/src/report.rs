@@ -111,6 +111,10 @@ impl<'a, 'w> Report<'a, 'w> {
     /// figures and (when `final_params` is given on rank 0) weights.safetensors.
     /// Collective: every rank calls it.
     pub fn finish(self, final_params: Option<&[f32]>) -> anyhow::Result<()> {
+        crate::stop::while_writing(|| self.finish_writing(final_params))
+    }
+
+    fn finish_writing(self, final_params: Option<&[f32]>) -> anyhow::Result<()> {
         let s = self.session;
         let w: &World = s.world;
         let peak = w.gather_control(&[crate::alloc::peak_bytes() as u64]);
@@ -166,6 +170,7 @@ impl<'a, 'w> Report<'a, 'w> {
             "params": s.table.numel(),
             "steps": s.args.steps,
             "first_step": s.first_step,
+            "resume_notes": s.resume_notes,
             "tokens_per_step": s.sampler.tokens_per_step(),
             "losses": self.run.losses,
             "final_loss": final_loss,

@@ -39,6 +39,7 @@ impl Run {
         });
         crate::alloc::reset_peak();
         crate::alloc::training_begins();
+        crate::stop::step_started(s.first_step);
         Self {
             steps: s.args.steps,
             first_step: s.first_step,

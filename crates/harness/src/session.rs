@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
-use fsdp_comm::{SumGroups, World};
+use fsdp_comm::{MicroBatchSum, SumGroups, World};
 use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
 
 use crate::checkpoint::{Meta, Resumed};
@@ -30,6 +30,9 @@ pub struct Session<'w> {
     /// How each step's micro-batch gradients are grouped before they are
     /// summed (`--sum-groups`; by default one group per rank).
     pub sum_groups: SumGroups,
+    /// Whether `sum_groups` was chosen (`--sum-groups`, or the checkpoint's)
+    /// rather than the default one group per rank.
+    pub sum_groups_given: bool,
     /// The first step to train: 1, or the checkpoint's step + 1 after `--resume`.
     pub first_step: u64,
     /// `--resume`: the checkpoint's state in model order, until the lesson
@@ -37,7 +40,13 @@ pub struct Session<'w> {
     pub resumed: RefCell<Option<Resumed>>,
     /// The lesson's flags that change the arithmetic, saved in and checked against checkpoints.
     pub lesson_flags: Vec<(String, String)>,
+    /// `--resume`: what this run does differently from an uninterrupted one
+    /// (another summation order, another global batch), one line each.
+    pub resume_notes: Vec<String>,
 }
+
+/// `--micro-batches` when neither the flag nor a checkpoint says.
+pub const DEFAULT_MICRO_BATCHES: usize = 4;
 
 impl<'w> Session<'w> {
     /// Validates `args` for this world and builds the session. Every rank
@@ -55,9 +64,15 @@ impl<'w> Session<'w> {
         agree(world, result)
     }
 
-    fn build(world: &'w World, lesson: &Lesson, args: TrainArgs, lesson_flags: Vec<(String, String)>) -> anyhow::Result<Self> {
+    fn build(world: &'w World, lesson: &Lesson, mut args: TrainArgs, lesson_flags: Vec<(String, String)>) -> anyhow::Result<Self> {
         let n = world.size();
-        let m = args.micro_batches as usize;
+        let loaded: Option<(Meta, Resumed)> = match &args.resume {
+            Some(dir) => Some(crate::checkpoint::read(dir, "--resume")?),
+            None => None,
+        };
+        // M: the flag, else the checkpoint's, else 4.
+        let m = args.micro_batches.map(|m| m as usize).or(loaded.as_ref().map(|(meta, _)| meta.data.micro_batches)).unwrap_or(DEFAULT_MICRO_BATCHES);
+        args.micro_batches = Some(m as u32);
         if n > m {
             bail!("{n} ranks but only {m} micro-batches per step: pass --micro-batches {n} (or a multiple of {n}), or run fewer ranks");
         }
@@ -83,10 +98,6 @@ impl<'w> Session<'w> {
         }
         let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
         let table = ParamTable::new(&cfg);
-        let loaded: Option<(Meta, Resumed)> = match &args.resume {
-            Some(dir) => Some(crate::checkpoint::read(dir, "--resume")?),
-            None => None,
-        };
         let mut s = Self {
             world,
             lesson: *lesson,
@@ -99,23 +110,27 @@ impl<'w> Session<'w> {
             adamw,
             out,
             sum_groups: SumGroups::new(n, m, n).map_err(|e| anyhow::anyhow!(e))?, // set below
+            sum_groups_given: false,
             first_step: 1,
             resumed: RefCell::new(None),
+            resume_notes: vec![],
             lesson_flags,
         };
         if let Some((meta, _)) = &loaded {
             crate::checkpointing::check_resume(&s, meta)?; // first: another lesson's or model's checkpoint says so
         }
-        s.sum_groups = crate::checkpointing::sum_groups(&s.args, n, loaded.as_ref().map(|(m, _)| m))?;
+        (s.sum_groups, s.sum_groups_given) = crate::checkpointing::sum_groups(&s.args, n, loaded.as_ref().map(|(m, _)| m))?;
         crate::checkpointing::check_paths(world, &s.args)?;
         match loaded {
-            Some((_, resumed)) => {
+            Some((meta, resumed)) => {
+                s.resume_notes = crate::checkpointing::resume_notes(&meta, s.sum_groups);
                 s.first_step = resumed.step + 1;
                 s.resumed = RefCell::new(Some(resumed));
                 // The budget starts once the checkpoint's full state is freed (forget_resumed).
             }
             None => crate::alloc::set_budget(s.args.mem_budget.map(|b| b as usize)),
         }
+        crate::stop::save_first(s.args.ckpt.is_some());
         Ok(s)
     }
 
@@ -137,14 +152,10 @@ impl<'w> Session<'w> {
         }
     }
 
-    /// One zeroed gradient-sum buffer of `len` elements per sum group of mine.
-    pub fn sum_buffers(&self, len: usize) -> Vec<Vec<f32>> {
-        vec![vec![0.0; len]; self.sum_groups.per_rank()]
-    }
-
-    /// Which of my sum buffers the `i`-th of my micro-batches adds to.
-    pub fn sum_group(&self, i: usize) -> usize {
-        self.sum_groups.local_group(i)
+    /// An empty sum of my micro-batches' gradients (vectors of `len`
+    /// elements), formed in the step's one summation order.
+    pub fn grad_sum(&self, len: usize) -> MicroBatchSum {
+        MicroBatchSum::new(self.sum_groups, len)
     }
 
     /// The steps left to train: `first_step..=steps`.
@@ -166,6 +177,35 @@ impl<'w> Session<'w> {
         let loss = fsdp_gpt::model::loss(&logits, &batch.targets)?;
         let grads = loss.backward()?;
         Ok((loss.to_scalar::<f32>()?, grads))
+    }
+
+    /// Everything a step's end does besides the lesson's own work: record
+    /// the loss (and print it), check `--mem-budget`, save a checkpoint when
+    /// one is due, and stop the job if it was asked to (after saving one,
+    /// with `--ckpt`). Every rank calls it after every step.
+    pub fn end_step<'a>(&self, step: u64, run: &mut crate::Run, loss: f32, pieces: impl FnOnce() -> Vec<crate::checkpoint::ShardPiece<'a>>) -> anyhow::Result<()> {
+        run.step_done(step, loss);
+        self.check_memory_budget(step)?;
+        let stop = crate::stop::agreed(self.world);
+        let save = self.checkpoint_due(step) || (stop.is_some() && self.args.ckpt.is_some());
+        if save {
+            self.save_checkpoint(step, pieces)?;
+            run.leave_out_pause(); // the save is not part of the next step's time
+        }
+        crate::stop::step_started(step + 1);
+        let Some(sig) = stop else { return Ok(()) };
+        if self.world.is_root() {
+            let how = crate::stop::cause(sig);
+            match &self.args.ckpt {
+                Some(dir) => eprintln!(
+                    "stopped {how} after step {step}: checkpoint {}; resume with --resume {}",
+                    dir.join(crate::checkpoint::step_dir_name(step)).display(),
+                    dir.display()
+                ),
+                None => eprintln!("stopped {how} after step {step}: nothing saved (pass --ckpt DIR to save a checkpoint when stopped)"),
+            }
+        }
+        crate::stop::exit_now(crate::stop::exit_code(sig))
     }
 
     /// `--mem-budget`: before the first step and after each step, every rank learns whether any rank
@@ -217,7 +257,7 @@ impl<'w> Session<'w> {
         t.row(["tokens per step".to_string(), thousands(self.sampler.tokens_per_step() as u64)]);
         t.row(["steps".to_string(), thousands(self.args.steps)]);
         let g = self.sum_groups.groups;
-        if g != n || self.args.resume.is_some() {
+        if self.sum_groups_given {
             t.row(["gradient sum groups".to_string(), format!("{g} ({} per rank; same bits at any world size dividing {g})", g / n)]);
         }
         if let Some(r) = &*self.resumed.borrow() {
@@ -238,5 +278,8 @@ impl<'w> Session<'w> {
             t.row([k.to_string(), v.clone()]);
         }
         crate::print0!("{}", t.render());
+        for note in &self.resume_notes {
+            crate::print0!("note: {note}");
+        }
     }
 }
