@@ -35,9 +35,11 @@ fi
 if [[ " $parts " == *" listings "* ]]; then
 echo "== 1. listings and figures, regenerated and compared"
 # Equal after masking throughput, timings and RSS — except the measured
-# heap, which moves by a few KB between runs (allocations on MPI's side and
-# in the ranks' timing): its lines, and the figures drawn from it, must
-# agree within 1%.
+# heap, which moves by a few tens of KB between runs (allocations on MPI's
+# side and in the ranks' timing; the listings show it to 0.1 MB): its
+# lines, and the figures drawn from it, must agree within 3%. Every other
+# number — losses, digests, tallies, bytes — must be equal: the arithmetic
+# is the same on every x86-64 machine with AVX2 and FMA.
 same() {
     python3 - "$1" "$2" <<'PY'
 import difflib, re, sys
@@ -58,7 +60,7 @@ def close(x, y):
         return False
     nx, ny = (re.findall(r"[0-9]+\.[0-9]+", s) for s in (x, y))
     return re.sub(r"[0-9]+\.[0-9]+", "#", x) == re.sub(r"[0-9]+\.[0-9]+", "#", y) and len(nx) == len(ny) and all(
-        abs(float(p) - float(q)) <= 0.01 * max(float(p), float(q)) for p, q in zip(nx, ny))
+        abs(float(p) - float(q)) <= 0.03 * max(float(p), float(q)) for p, q in zip(nx, ny))
 a, b = ([mask(l) for l in open(p, errors="replace").read().splitlines()] for p in sys.argv[1:3])
 if len(a) == len(b) and all(x == y or close(x, y) for x, y in zip(a, b)):
     sys.exit(0)

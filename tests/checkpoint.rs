@@ -363,7 +363,7 @@ fn sigint_without_ckpt_ends_after_the_step_with_one_line_and_writes_nothing() {
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "nothing written to --out");
     // Without mpirun the process ends at once, from the signal handler.
     let out = out_dir("sigterm-direct");
-    let mut child = Command::new(binary("step01-data-parallel")).args(args("100000", &["--out", s(&out)])).env("RAYON_NUM_THREADS", "1").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let child = Command::new(binary("step01-data-parallel")).args(args("100000", &["--out", s(&out)])).env("RAYON_NUM_THREADS", "1").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(Duration::from_secs(2));
     Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     let o = child.wait_with_output().unwrap();

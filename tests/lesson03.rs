@@ -99,7 +99,7 @@ fn measured_peak_is_below_lesson_02() {
 fn tcp_between_ranks_gives_the_same_digest_as_shared_memory() {
     let (o, shm) = mpirun(PKG, 2, FAST, "l03-shm");
     ok_stdout(&o);
-    let (mut cmd, tcp) = mpirun_command(PKG, 2, FAST, "l03-tcp");
+    let (cmd, tcp) = mpirun_command(PKG, 2, FAST, "l03-tcp");
     // The transport flags go before the binary: rebuild the command with them.
     let args: Vec<std::ffi::OsString> = cmd.get_args().map(|a| a.to_os_string()).collect();
     let mut with_tcp = std::process::Command::new("mpirun");
@@ -109,7 +109,6 @@ fn tcp_between_ranks_gives_the_same_digest_as_shared_memory() {
             with_tcp.env(k, v);
         }
     }
-    let _ = &mut cmd;
     ok_stdout(&with_tcp.output().unwrap());
     assert_eq!(digest(&shm), digest(&tcp));
     let tcp_traffic = report(&tcp)["traffic"].clone();

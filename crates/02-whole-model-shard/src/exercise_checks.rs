@@ -1,6 +1,6 @@
 //! The checks of lesson 02's exercises: one named snapshot test each.
 //! Run one with `cargo test --release -p step02-whole-model-shard exercise_2_1`.
-use fsdp_comm::{ShardLayout, sum_in_rank_order};
+use fsdp_comm::ShardLayout;
 use fsdp_gpt::rng::SplitMix64;
 use fsdp_gpt::{AdamW, AdamWConfig, GptConfig, ParamTable};
 use fsdp_harness::table::{Table, mb, sci, thousands};
@@ -28,8 +28,7 @@ fn exercise_2_1_predict_the_tally_at_4_ranks() {
 fn exercise_2_2_the_order_of_a_sum() {
     let mut rng = SplitMix64::new(22);
     let ranks: Vec<Vec<f32>> = (0..4).map(|_| (0..10_000).map(|_| rng.normal() as f32).collect()).collect();
-    let mut ordered = vec![0.0; 10_000];
-    sum_in_rank_order(ranks.iter().map(Vec::as_slice), &mut ordered);
+    let ordered: Vec<f32> = ranks.iter().fold(vec![0.0; 10_000], |acc, r| acc.iter().zip(r).map(|(a, b)| a + b).collect());
     let reversed = sum_in_reverse_rank_order(&ranks);
     let exact_same: Vec<f32> = ranks.iter().rev().fold(vec![0.0; 10_000], |acc, r| acc.iter().zip(r).map(|(a, b)| a + b).collect());
     assert_eq!(reversed, exact_same, "add rank N−1 first, then N−2, …, then rank 0");

@@ -1,6 +1,6 @@
 //! The checks of lesson 03's exercises: one named snapshot test each.
 //! Run one with `cargo test --release -p step03-layerwise-shard exercise_3_1`.
-use fsdp_comm::{ShardLayout, sum_in_rank_order};
+use fsdp_comm::ShardLayout;
 use fsdp_gpt::rng::SplitMix64;
 use fsdp_gpt::{GptConfig, ParamTable};
 use fsdp_harness::table::{Table, mb, thousands};
@@ -57,15 +57,14 @@ fn exercise_3_3_reduce_once_or_per_micro_batch() {
     let mut rng = SplitMix64::new(33);
     let grads: Vec<Vec<Vec<f32>>> =
         (0..ranks).map(|_| (0..k).map(|_| (0..len).map(|_| rng.normal() as f32).collect()).collect()).collect();
-    // Lesson 03's order: each rank sums its micro-batches, then one rank-ordered reduce.
-    let local: Vec<Vec<f32>> = grads.iter().map(|r| r.iter().fold(vec![0.0; len], |acc, g| acc.iter().zip(g).map(|(a, b)| a + b).collect())).collect();
-    let mut once = vec![0.0; len];
-    sum_in_rank_order(local.iter().map(Vec::as_slice), &mut once);
+    // Reduce once: each rank sums its micro-batches, then one reduce over the ranks (here left to right).
+    let sum = |vs: &mut dyn Iterator<Item = &Vec<f32>>| vs.fold(vec![0.0f32; len], |acc, g| acc.iter().zip(g).map(|(a, b)| a + b).collect::<Vec<f32>>());
+    let local: Vec<Vec<f32>> = grads.iter().map(|r| sum(&mut r.iter())).collect();
+    let once = sum(&mut local.iter());
     // The exercise's order, worked out here independently.
     let mut expected = vec![0.0f32; len];
     for kk in 0..k {
-        let mut reduced = vec![0.0; len];
-        sum_in_rank_order(grads.iter().map(|r| r[kk].as_slice()), &mut reduced);
+        let reduced = sum(&mut grads.iter().map(|r| &r[kk]));
         expected.iter_mut().zip(&reduced).for_each(|(t, x)| *t += x);
     }
     let every = reduce_every_micro_batch(&grads);

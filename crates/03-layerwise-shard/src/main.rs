@@ -17,7 +17,7 @@ use anyhow::anyhow;
 use clap::Parser;
 use fsdp_comm::{Collective, nan_max};
 use fsdp_harness::plot::Chart;
-use fsdp_harness::table::{Table, mb, sci};
+use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Run, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::LayerwiseShard;
@@ -168,8 +168,8 @@ fn timeline_figure(s: &Session, whole: &MemoryTimeline, layerwise: &MemoryTimeli
     let json = serde_json::json!({"rank": 0, "step": s.first_step, "whole_model": whole.events, "layerwise": layerwise.events});
     fsdp_gpt::checkpoint::write_atomically(&s.out.join("memory_timeline.json"), serde_json::to_string_pretty(&json)?.as_bytes())?;
     let mut t = Table::new(["one step, rank 0", "measured peak heap", "events"]);
-    t.row(["lesson 02 (whole model)".to_string(), mb(peaks[0]), whole.events.len().to_string()]);
-    t.row(["lesson 03 (layer-wise)".to_string(), mb(peaks[1]), layerwise.events.len().to_string()]);
+    t.row(["lesson 02 (whole model)".to_string(), mb_measured(peaks[0]), whole.events.len().to_string()]);
+    t.row(["lesson 03 (layer-wise)".to_string(), mb_measured(peaks[1]), layerwise.events.len().to_string()]);
     println!("{}wrote {} and memory_timeline.json", t.render(), path.display());
     Ok(())
 }

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use crate::plot::{Chart, Series};
 use crate::run::Run;
 use crate::session::Session;
-use crate::table::{Table, mb, thousands};
+use crate::table::{Table, mb, mb_measured, thousands};
 
 /// One category of memory a rank holds, computed from shapes.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,7 +131,7 @@ impl<'a, 'w> Report<'a, 'w> {
         // Measured numbers vary a little from run to run: they get their own
         // table, so the tally from shapes above stays exactly reproducible.
         let mut m = Table::new(std::iter::once("measured, per rank".to_string()).chain((0..w.size()).map(|r| format!("rank {r}"))));
-        let row = |label: &str, v: &[u64]| std::iter::once(label.to_string()).chain(v.iter().map(|&b| mb(b))).collect::<Vec<_>>();
+        let row = |label: &str, v: &[u64]| std::iter::once(label.to_string()).chain(v.iter().map(|&b| mb_measured(b))).collect::<Vec<_>>();
         m.row(row("live heap as training began", &base));
         m.row(row("peak live heap while training", &peak));
         m.row(row("peak RSS (incl. MPI, code)", &rss));

@@ -86,6 +86,12 @@ pub fn mb(bytes: u64) -> String {
     format!("{:.2} MB", bytes as f64 / 1e6)
 }
 
+/// A measured size (heap, RSS), to one decimal: it moves by a few tens of KB
+/// from run to run, so a learner's run shows the figure the book shows.
+pub fn mb_measured(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
+}
+
 /// Scientific notation as C's `%.2e` writes it: `0.00e+00`, `1.25e-07`.
 pub fn sci(x: f64) -> String {
     let s = format!("{x:.2e}");
