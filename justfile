@@ -110,6 +110,23 @@ bench *ARGS: build
         echo "copied into book/src/generated/ for the performance appendix"
     fi
 
+# Does this machine compute the book's bits? Short reference runs, compared with the book's listing.
+check-bits: build
+    #!/usr/bin/env bash
+    set -uo pipefail
+    mkdir -p out
+    bash book/check-bits.sh > out/check-bits.txt
+    cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
+    if diff -u book/src/generated/check-bits.txt out/check-bits.txt > out/check-bits.diff; then
+        cat out/check-bits.txt
+        echo "your machine computes the book's bits ($cpu)"
+    else
+        echo "your machine computes other bits than the book ($cpu): the book's listing (-) against this machine's (+):"
+        cat out/check-bits.diff
+        grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo || echo "(this CPU lacks AVX2 or FMA: the bits are promised only on x86-64 CPUs with both)"
+        exit 1
+    fi
+
 # Run every test: unit tests, then the lessons as real MPI jobs at several world sizes.
 test: build
     cargo test --release --workspace --features step02-whole-model-shard/solutions,step03-layerwise-shard/solutions,step04-optimizer-state-shard/solutions

@@ -16,6 +16,17 @@ run() {
 }
 
 run 01-two-ranks 2 step01-data-parallel
+# The TCP transport (Open MPI's path between machines), on loopback: same digest.
+echo "· appendix-tcp"
+{
+    for btl in "vader,self" "tcp,self"; do
+        echo "· --mca btl $btl"
+        mpirun -q -n 2 --mca btl "$btl" --mca btl_tcp_if_include lo target/release/step03-layerwise-shard --no-plot --out out/book/tcp \
+            | grep -E "^step +50/|final weights digest" | sed -E 's/ \| [0-9,]+ tok\/s$//; s/^/    /'
+    done
+} > "$gen/appendix-tcp.txt"
+echo "· check-bits"
+bash book/check-bits.sh > "$gen/check-bits.txt"
 run 02-two-ranks 2 step02-whole-model-shard
 run 02-four-ranks 4 step02-whole-model-shard
 cp out/book/02-two-ranks/shard_vs_replicated.svg "$gen/02-shard-vs-replicated.svg"

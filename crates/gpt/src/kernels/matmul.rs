@@ -166,6 +166,7 @@ fn fastest_tile() -> TileFn {
     tile_portable
 }
 
+// ANCHOR: tile
 /// The register tile, portably: `acc = fma(a, b, acc)` for k in order.
 fn tile_portable(k: usize, ap: &[f32], bp: &[f32], tile: &mut [f32; MR * NR]) {
     let mut acc = [0f32; MR * NR];
@@ -178,6 +179,7 @@ fn tile_portable(k: usize, ap: &[f32], bp: &[f32], tile: &mut [f32; MR * NR]) {
     }
     *tile = acc;
 }
+// ANCHOR_END: tile
 
 #[cfg(target_arch = "x86_64")]
 fn tile_avx2(k: usize, ap: &[f32], bp: &[f32], tile: &mut [f32; MR * NR]) {
