@@ -9,8 +9,8 @@
 //!
 //! Vectorising across `j` (and tiling across `i`) never changes that chain,
 //! since each SIMD lane holds its own output element, and nothing splits the
-//! contraction into blocks. So the AVX2 path, any wider one, and the portable
-//! path (`f32::mul_add`, exact on every platform) give the same bits. Cache
+//! contraction into blocks. So the AVX-512 path, the AVX2 path and the
+//! portable path (`f32::mul_add`, exact on every platform) give the same bits. Cache
 //! sizes change nothing either: there is no blocking over `k` to tune.
 //!
 //! The speed comes from the classic register tile: operands packed into
@@ -32,18 +32,22 @@ const NR: usize = 16;
 /// candle's own bf16 matmul does. Differentiable: its backward is two more
 /// of these products, `grad @ bᵀ` and `aᵀ @ grad`.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    a.apply_op2(b, MatMul { portable: false })
+    a.apply_op2(b, MatMul { path: Path::Fastest })
 }
 
-/// [`matmul`] on the portable path only (no SIMD): the same bits, slower.
-/// For the tests that hold the two paths against each other.
-#[cfg(test)]
-fn matmul_portable(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    a.apply_op2_no_bwd(b, &MatMul { portable: true })
+/// Which tiles to use: the widest the CPU runs, or (for the tests that hold
+/// the paths against each other) a narrower one. All give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Path {
+    Fastest,
+    #[cfg(test)]
+    Avx2,
+    #[cfg(test)]
+    Portable,
 }
 
 struct MatMul {
-    portable: bool,
+    path: Path,
 }
 
 /// One operand's view: where each batch item starts, and its 2-D strides.
@@ -87,9 +91,9 @@ impl CustomOp2 for MatMul {
         out_dims.extend([m, n]);
         let shape = Shape::from(out_dims);
         let storage = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(y)) => CpuStorage::F32(products(&a, x, &b, y, |v| v, self.portable)),
+            (CpuStorage::F32(x), CpuStorage::F32(y)) => CpuStorage::F32(products(&a, x, &b, y, |v| v, self.path)),
             (CpuStorage::BF16(x), CpuStorage::BF16(y)) => {
-                let out = products(&a, x, &b, y, bf16::to_f32, self.portable);
+                let out = products(&a, x, &b, y, bf16::to_f32, self.path);
                 CpuStorage::BF16(out.into_iter().map(bf16::from_f32).collect())
             }
             (CpuStorage::F64(x), CpuStorage::F64(y)) => CpuStorage::F64(products_f64(&a, x, &b, y)),
@@ -107,17 +111,23 @@ impl CustomOp2 for MatMul {
 }
 
 /// Every batch item's product, in f32, back to back (row-major M × N each).
-fn products<T: Copy>(a: &Operand, x: &[T], b: &Operand, y: &[T], widen: impl Fn(T) -> f32 + Copy, portable: bool) -> Vec<f32> {
+fn products<T: Copy>(a: &Operand, x: &[T], b: &Operand, y: &[T], widen: impl Fn(T) -> f32 + Copy, path: Path) -> Vec<f32> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     let mut out = vec![0f32; a.batch_offsets.len() * m * n];
     if m == 0 || n == 0 || k == 0 {
         return out; // an empty sum is 0
     }
-    let tile_fn = if portable { tile_portable } else { fastest_tile() };
+    let (tile_fn, pair_fn) = match path {
+        Path::Fastest => fastest_tiles(),
+        #[cfg(test)]
+        Path::Avx2 => (fastest_tiles().0, None),
+        #[cfg(test)]
+        Path::Portable => (tile_portable as TileFn, None),
+    };
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
     let mut ap = vec![0f32; mp * MR * k];
     let mut bp = vec![0f32; np * NR * k];
-    let mut tile = [0f32; MR * NR];
+    let (mut tile, mut tile2) = ([0f32; MR * NR], [0f32; MR * NR]);
     for ((&ao, &bo), out) in a.batch_offsets.iter().zip(&b.batch_offsets).zip(out.chunks_exact_mut(m * n)) {
         // Pack: panel p of a holds rows p·MR.. as [k][MR]; panel q of b
         // holds columns q·NR.. as [k][NR]; zeros beyond the edges.
@@ -137,13 +147,28 @@ fn products<T: Copy>(a: &Operand, x: &[T], b: &Operand, y: &[T], widen: impl Fn(
                 }
             }
         }
+        let apanels: Vec<&[f32]> = ap.chunks_exact(MR * k).collect();
         for (q, bpanel) in bp.chunks_exact(NR * k).enumerate() {
             let cols = NR.min(n - q * NR);
-            for (p, apanel) in ap.chunks_exact(MR * k).enumerate() {
-                tile_fn(k, apanel, bpanel, &mut tile);
+            let mut write = |p: usize, tile: &[f32; MR * NR]| {
                 for r in 0..MR.min(m - p * MR) {
                     let row = (p * MR + r) * n + q * NR;
                     out[row..row + cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
+                }
+            };
+            let mut p = 0;
+            while p < mp {
+                // Two panels at once where the CPU has AVX-512: the same
+                // chains, twice the accumulators in flight.
+                if let (Some(pair), true) = (pair_fn, p + 1 < mp) {
+                    pair(k, apanels[p], apanels[p + 1], bpanel, &mut tile, &mut tile2);
+                    write(p, &tile);
+                    write(p + 1, &tile2);
+                    p += 2;
+                } else {
+                    tile_fn(k, apanels[p], bpanel, &mut tile);
+                    write(p, &tile);
+                    p += 1;
                 }
             }
         }
@@ -152,18 +177,25 @@ fn products<T: Copy>(a: &Operand, x: &[T], b: &Operand, y: &[T], widen: impl Fn(
 }
 
 type TileFn = fn(usize, &[f32], &[f32], &mut [f32; MR * NR]);
+/// Two row panels against one column panel, into two tiles.
+type PairFn = fn(usize, &[f32], &[f32], &[f32], &mut [f32; MR * NR], &mut [f32; MR * NR]);
 
-/// The AVX2 + FMA tile where the CPU has it, else the portable one: the same bits.
-fn fastest_tile() -> TileFn {
+/// The widest tiles the CPU runs (AVX-512, AVX2 + FMA), else the portable
+/// one: the same bits from each, only faster.
+fn fastest_tiles() -> (TileFn, Option<PairFn>) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        if *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            return tile_avx2;
+        static HAS: OnceLock<(bool, bool)> = OnceLock::new();
+        let (avx2, avx512) = *HAS.get_or_init(|| {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            (avx2, avx2 && is_x86_feature_detected!("avx512f"))
+        });
+        if avx2 {
+            return (tile_avx2, avx512.then_some(pair_avx512 as PairFn));
         }
     }
-    tile_portable
+    (tile_portable, None)
 }
 
 // ANCHOR: tile
@@ -207,6 +239,35 @@ unsafe fn tile_avx2_inner(k: usize, ap: *const f32, bp: *const f32, tile: *mut f
         for (r, acc) in c.iter().enumerate() {
             _mm256_storeu_ps(tile.add(r * NR), acc[0]);
             _mm256_storeu_ps(tile.add(r * NR + 8), acc[1]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn pair_avx512(k: usize, ap0: &[f32], ap1: &[f32], bp: &[f32], t0: &mut [f32; MR * NR], t1: &mut [f32; MR * NR]) {
+    assert!(ap0.len() >= k * MR && ap1.len() >= k * MR && bp.len() >= k * NR);
+    // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
+    // panels (checked above), stores within the tiles.
+    unsafe { pair_avx512_inner(k, ap0.as_ptr(), ap1.as_ptr(), bp.as_ptr(), t0.as_mut_ptr(), t1.as_mut_ptr()) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pair_avx512_inner(k: usize, ap0: *const f32, ap1: *const f32, bp: *const f32, t0: *mut f32, t1: *mut f32) {
+    use std::arch::x86_64::*;
+    unsafe {
+        // 12 rows × 16 columns: one 16-lane register per row.
+        let mut c = [_mm512_setzero_ps(); 2 * MR];
+        for p in 0..k {
+            let b = _mm512_loadu_ps(bp.add(p * NR));
+            for r in 0..MR {
+                c[r] = _mm512_fmadd_ps(_mm512_set1_ps(*ap0.add(p * MR + r)), b, c[r]);
+                c[MR + r] = _mm512_fmadd_ps(_mm512_set1_ps(*ap1.add(p * MR + r)), b, c[MR + r]);
+            }
+        }
+        for r in 0..MR {
+            _mm512_storeu_ps(t0.add(r * NR), c[r]);
+            _mm512_storeu_ps(t1.add(r * NR), c[MR + r]);
         }
     }
 }
@@ -255,8 +316,9 @@ mod tests {
             let (a, b) = (random(&[m, k], 1), random(&[k, n], 2));
             let want = reference(&a.flatten_all().unwrap().to_vec1().unwrap(), &b.flatten_all().unwrap().to_vec1().unwrap(), m, k, n);
             let want: Vec<u32> = want.into_iter().map(f32::to_bits).collect();
-            assert_eq!(bits(&matmul(&a, &b).unwrap()), want, "fast path, {m}×{k}×{n}");
-            assert_eq!(bits(&matmul_portable(&a, &b).unwrap()), want, "portable path, {m}×{k}×{n}");
+            for path in [Path::Fastest, Path::Avx2, Path::Portable] {
+                assert_eq!(bits(&a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap()), want, "{path:?}, {m}×{k}×{n}");
+            }
         }
     }
 
