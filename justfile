@@ -131,20 +131,9 @@ check-bits: build
 test: build
     cargo test --release --workspace --features step02-whole-model-shard/solutions,step03-layerwise-shard/solutions,step04-optimizer-state-shard/solutions
 
-# Show what lesson NN adds over the one before: its idea file against the previous one's, then main.rs.
+# Show what lesson NN adds over the one before: its step against the previous one's, and its new files.
 diff NN:
-    #!/usr/bin/env bash
-    set -euo pipefail
-    cur=$(ls -d crates/{{NN}}-* 2>/dev/null | head -n1) || true
-    if [ -z "$cur" ] || [ "{{NN}}" = "01" ]; then echo "error: pick a lesson from 02 to $(ls -d crates/[0-9]* | tail -n1 | sed 's|crates/||' | cut -d- -f1)" >&2; exit 2; fi
-    prev=$(ls -d crates/$(printf '%02d' $((10#{{NN}} - 1)))-*)
-    idea() { local d=${1#crates/}; echo "$1/src/$(echo "${d#*-}" | tr - _).rs"; }
-    git --no-pager diff --no-index --stat "$(idea "$prev")" "$(idea "$cur")" || true
-    git --no-pager diff --no-index "$(idea "$prev")" "$(idea "$cur")" || true
-    git --no-pager diff --no-index "$prev/src/main.rs" "$cur/src/main.rs" || true
-    for f in $(cd "$cur/src" && ls *.rs); do
-        [ -e "$prev/src/$f" ] || [ "$cur/src/$f" = "$(idea "$cur")" ] || echo "new in lesson {{NN}}: $cur/src/$f ($(wc -l < "$cur/src/$f") lines)"
-    done
+    @bash scripts/lesson-diff.sh {{NN}}
 
 # Build the book into book/build (and check its includes resolve).
 book:

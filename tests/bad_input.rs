@@ -6,13 +6,19 @@ use common::*;
 #[test]
 fn more_ranks_than_micro_batches() {
     let e = fails("step01-data-parallel", 3, &["--micro-batches", "2"], "bad-ranks");
-    assert_eq!(e, "error: 3 ranks but only 2 micro-batches per step: pass --micro-batches 3 (or a multiple of 3), or run fewer ranks");
+    assert_eq!(
+        e,
+        "error: 3 ranks but only 2 micro-batches per step: pass --micro-batches 3 (or a multiple of 3), or run fewer ranks"
+    );
 }
 
 #[test]
 fn micro_batches_that_do_not_divide() {
     let e = fails("step02-whole-model-shard", 3, &["--micro-batches", "4"], "bad-divide");
-    assert_eq!(e, "error: --micro-batches 4 does not divide among 3 ranks: pass a multiple of 3, e.g. --micro-batches 6");
+    assert_eq!(
+        e,
+        "error: --micro-batches 4 does not divide among 3 ranks: pass a multiple of 3, e.g. --micro-batches 6"
+    );
 }
 
 #[test]
@@ -95,8 +101,13 @@ fn zero_stage_precision_and_budget_out_of_range() {
 fn budget_below_the_model_size() {
     // 1 MB is less than is live before training: every rank stops before
     // step 1 with one out-of-memory line, and no report is written.
-    let e = fails("step03-layerwise-shard", 2, &["--steps", "3", "--mem-budget", "1MB", "--no-plot"], "bad-budget-small");
-    assert!(e.starts_with("error: out of memory on rank 0: ") && e.contains(" live before training already exceeds the budget 1.00 MB (pass a larger --mem-budget"), "{e}");
+    let e =
+        fails("step03-layerwise-shard", 2, &["--steps", "3", "--mem-budget", "1MB", "--no-plot"], "bad-budget-small");
+    assert!(
+        e.starts_with("error: out of memory on rank 0: ")
+            && e.contains(" live before training already exceeds the budget 1.00 MB (pass a larger --mem-budget"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -104,7 +115,10 @@ fn unwritable_out_folder_and_data_that_is_a_folder() {
     let e = fails("step04-optimizer-state-shard", 2, &["--out", "/proc/no-such-place"], "bad-out");
     assert!(e.contains("cannot create --out folder /proc/no-such-place"), "{e}");
     let e = fails("step02-whole-model-shard", 2, &["--data", "/tmp"], "bad-data-folder");
-    assert_eq!(e, "error: data file /tmp: cannot read it (Is a directory (os error 21)); pass --data with a readable text file");
+    assert_eq!(
+        e,
+        "error: data file /tmp: cannot read it (Is a directory (os error 21)); pass --data with a readable text file"
+    );
 }
 
 /// Only rank 1 fails at setup (its --data is missing; mpirun's `:` gives
@@ -134,6 +148,11 @@ fn a_setup_failure_on_another_rank_is_one_line() {
         .unwrap();
     let (code, lines) = failure(&o);
     assert_eq!(code, 2, "{lines:?}");
-    assert_eq!(lines, ["error (rank 1): data file /no/such/file.txt: cannot read it (No such file or directory (os error 2)); pass --data with a readable text file"]);
+    assert_eq!(
+        lines,
+        [
+            "error (rank 1): data file /no/such/file.txt: cannot read it (No such file or directory (os error 2)); pass --data with a readable text file"
+        ]
+    );
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
 }

@@ -18,10 +18,15 @@ fn every_include_and_image_in_the_book_resolves() {
             let spec = &rest[..rest.find("}}").expect("closed include")];
             let (file, anchor) = spec.split_once(':').map_or((spec, None), |(f, a)| (f, Some(a)));
             let path = src.join(file);
-            let body = std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("{}: missing {}", page.display(), file));
+            let body =
+                std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("{}: missing {}", page.display(), file));
             if let Some(a) = anchor {
                 assert!(body.contains(&format!("ANCHOR: {a}\n")), "{}: no `ANCHOR: {a}` in {file}", page.display());
-                assert!(body.contains(&format!("ANCHOR_END: {a}\n")), "{}: no `ANCHOR_END: {a}` in {file}", page.display());
+                assert!(
+                    body.contains(&format!("ANCHOR_END: {a}\n")),
+                    "{}: no `ANCHOR_END: {a}` in {file}",
+                    page.display()
+                );
             }
             checked += 1;
         }
@@ -55,7 +60,15 @@ fn every_internal_link_resolves() {
                     .trim()
                     .to_lowercase()
                     .chars()
-                    .filter_map(|c| if c == ' ' { Some('-') } else if c.is_alphanumeric() || c == '-' || c == '_' { Some(c) } else { None })
+                    .filter_map(|c| {
+                        if c == ' ' {
+                            Some('-')
+                        } else if c.is_alphanumeric() || c == '-' || c == '_' {
+                            Some(c)
+                        } else {
+                            None
+                        }
+                    })
                     .collect()
             })
             .collect()

@@ -124,7 +124,8 @@ fn a_checkpoint_reshards_to_any_world_size_bit_for_bit() {
         let zero: &[&str] = if pkg.starts_with("step04") { &fp32_zero } else { &[] };
         let first: Vec<&str> = [&g[..], zero, &first_extra, &["--ckpt", s(&ck)]].concat();
         train(pkg, before, "2", &first, &format!("{name}-first"));
-        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("step-000002/meta.json")).unwrap()).unwrap();
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(ck.join("step-000002/meta.json")).unwrap()).unwrap();
         assert_eq!(meta["world_size"], before);
         assert_eq!(meta["files"].as_array().unwrap().len(), before);
         // No --sum-groups here: the checkpoint's 12 groups are taken over.
@@ -136,7 +137,10 @@ fn a_checkpoint_reshards_to_any_world_size_bit_for_bit() {
 
 /// The default flags but for a short step: M is the default (4) unless given.
 fn small(steps: &str, extra: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = ["--batch-size", "2", "--seq-len", "16", "--log-every", "1", "--no-plot", "--steps", steps].map(String::from).to_vec();
+    let mut v: Vec<String> =
+        ["--batch-size", "2", "--seq-len", "16", "--log-every", "1", "--no-plot", "--steps", steps]
+            .map(String::from)
+            .to_vec();
     v.extend(extra.iter().map(|x| x.to_string()));
     v
 }
@@ -165,7 +169,11 @@ fn with_default_flags_a_checkpoint_resumes_bit_for_bit_on_power_of_two_world_siz
         assert_eq!(digest(&resumed), digest(&full), "{from} → {to} ranks");
         assert!(!stdout.contains("note:"), "nothing differs, nothing to note: {stdout}");
         assert_eq!(report(&resumed)["resume_notes"], serde_json::json!([]));
-        assert_eq!(report(&resumed)["losses"].as_array().unwrap()[..], report(&full)["losses"].as_array().unwrap()[2..], "{from} → {to}: losses of steps 3–4");
+        assert_eq!(
+            report(&resumed)["losses"].as_array().unwrap()[..],
+            report(&full)["losses"].as_array().unwrap()[2..],
+            "{from} → {to}: losses of steps 3–4"
+        );
     }
 }
 
@@ -178,26 +186,52 @@ fn other_world_sizes_resume_with_a_note_and_one_that_cannot_split_m_is_refused()
     let (stdout, out) = train_small(pkg, 3, &small("4", &["--no-check", "--resume", s(&ck)]), "default-2to3-resumed");
     let notes: Vec<&str> = stdout.lines().filter(|l| l.starts_with("note:")).collect();
     assert_eq!(notes.len(), 1, "{stdout}");
-    assert!(notes[0].contains("summed in another order") && notes[0].contains("differs from an uninterrupted run by rounding"), "{}", notes[0]);
+    assert!(
+        notes[0].contains("summed in another order")
+            && notes[0].contains("differs from an uninterrupted run by rounding"),
+        "{}",
+        notes[0]
+    );
     assert_eq!(report(&out)["resume_notes"].as_array().unwrap().len(), 1);
     assert_eq!(report(&out)["losses"].as_array().unwrap().len(), 2, "steps 3 and 4 trained");
     // 5 ranks cannot split 12: one line naming --micro-batches.
     let e = fails(pkg, 5, &["--steps", "4", "--resume", s(&ck)], "default-2to5");
     assert!(e.contains("--micro-batches 12 does not divide among 5 ranks") && e.contains("--micro-batches 15"), "{e}");
     // Passing --micro-batches on resume is allowed, and noted: the global batch changes.
-    let (stdout, _) = train_small(pkg, 2, &small("4", &["--no-check", "--micro-batches", "4", "--resume", s(&ck)]), "default-2to2-m4");
-    assert!(stdout.contains("note: --micro-batches 4 where the checkpoint trained with 12: the global batch changes from step 3 on"), "{stdout}");
+    let (stdout, _) = train_small(
+        pkg,
+        2,
+        &small("4", &["--no-check", "--micro-batches", "4", "--resume", s(&ck)]),
+        "default-2to2-m4",
+    );
+    assert!(
+        stdout.contains(
+            "note: --micro-batches 4 where the checkpoint trained with 12: the global batch changes from step 3 on"
+        ),
+        "{stdout}"
+    );
 }
 
 #[test]
 fn save_every_and_keep_leave_the_newest_checkpoints_and_export_consolidates_them() {
     let ck = ckpt_dir("keep");
-    let out = train("step03-layerwise-shard", 3, "5", &["--no-plot", "--ckpt", s(&ck), "--save-every", "1", "--keep", "2"], "keep");
-    let mut left: Vec<String> = std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
+    let out = train(
+        "step03-layerwise-shard",
+        3,
+        "5",
+        &["--no-plot", "--ckpt", s(&ck), "--save-every", "1", "--keep", "2"],
+        "keep",
+    );
+    let mut left: Vec<String> =
+        std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
     left.sort();
     assert_eq!(left, ["latest", "step-000004", "step-000005"]);
     assert_eq!(latest(&ck), "step-000005");
-    let shards: Vec<String> = std::fs::read_dir(ck.join("step-000005")).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
+    let shards: Vec<String> = std::fs::read_dir(ck.join("step-000005"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().into_string().unwrap())
+        .collect();
     assert_eq!(shards.len(), 4, "meta.json and three shards: {shards:?}");
 
     // fsdp-export: one nanoGPT-named file with the run's final weights.
@@ -205,15 +239,21 @@ fn save_every_and_keep_leave_the_newest_checkpoints_and_export_consolidates_them
     let o = Command::new(binary("fsdp-export")).args(["--ckpt", s(&ck), "--out", s(&exported)]).output().unwrap();
     let stdout = ok_stdout(&o);
     assert!(stdout.contains("step03-layerwise-shard at step 5, 3 shard file(s) from 3 rank(s)"), "{stdout}");
-    let w = fsdp_gpt::checkpoint::load(&exported).unwrap(); // checks every nanoGPT name and shape
+    let w = fsdp_gpt::weights_file::load(&exported).unwrap(); // checks every nanoGPT name and shape
     assert_eq!(format!("{:016x}", fsdp_gpt::params::digest_f32(&w.flat)), digest(&out));
-    assert!(std::fs::read(&exported).unwrap() == std::fs::read(out.join("weights.safetensors")).unwrap(), "the same file as the run's own weights");
+    assert!(
+        std::fs::read(&exported).unwrap() == std::fs::read(out.join("weights.safetensors")).unwrap(),
+        "the same file as the run's own weights"
+    );
     // A folder with no checkpoint: one line, exit 2, nothing written.
     let nothing = out.join("not-exported.safetensors");
     let o = Command::new(binary("fsdp-export")).args(["--ckpt", s(&out), "--out", s(&nothing)]).output().unwrap();
     let (code, lines) = failure(&o);
     assert_eq!((code, lines.len()), (2, 1), "{lines:?}");
-    assert!(lines[0].contains("no checkpoint there (no meta.json, no `latest` pointer)") && !nothing.exists(), "{lines:?}");
+    assert!(
+        lines[0].contains("no checkpoint there (no meta.json, no `latest` pointer)") && !nothing.exists(),
+        "{lines:?}"
+    );
 }
 
 /// The rank processes mpirun started (its children), from /proc.
@@ -274,14 +314,23 @@ fn rank_pid(ranks: &[u32], rank: usize) -> u32 {
     let wanted = format!("OMPI_COMM_WORLD_RANK={rank}");
     *ranks
         .iter()
-        .find(|pid| std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == wanted.as_bytes())))
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == wanted.as_bytes()))
+        })
         .expect("a child with that rank")
 }
 
 #[test]
 fn a_rank_killed_mid_run_ends_the_job_and_the_last_checkpoint_resumes_exactly() {
     let ck = ckpt_dir("sigkill");
-    let mut job = spawn("step03-layerwise-shard", 2, &args("100000", &["--no-plot", "--ckpt", s(&ck), "--save-every", "2"]), "sigkill", &[]);
+    let mut job = spawn(
+        "step03-layerwise-shard",
+        2,
+        &args("100000", &["--no-plot", "--ckpt", s(&ck), "--save-every", "2"]),
+        "sigkill",
+        &[],
+    );
     // Wait for the checkpoint of step 4, then SIGKILL rank 1 (found by its OMPI_COMM_WORLD_RANK) while it trains.
     let t0 = Instant::now();
     while !std::fs::read_to_string(ck.join("latest")).is_ok_and(|l| l.trim() >= "step-000004") {
@@ -312,7 +361,10 @@ const GRACE: (&str, &str) = ("OMPI_MCA_odls_base_sigkill_timeout", "3");
 /// Seconds until every rank of `job` has exited (mpirun may linger after,
 /// its exited ranks zombies it has not reaped yet).
 fn ranks_gone_after(job: &Job, t0: Instant) -> Duration {
-    let running = |pid: &u32| std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|st| st.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')));
+    let running = |pid: &u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|st| st.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+    };
     while children(job.0.id()).iter().any(running) {
         assert!(t0.elapsed() < Duration::from_secs(30), "ranks still running 30 s after the signal");
         std::thread::sleep(Duration::from_millis(20));
@@ -323,7 +375,13 @@ fn ranks_gone_after(job: &Job, t0: Instant) -> Duration {
 #[test]
 fn sigterm_to_mpirun_finishes_the_step_saves_and_the_checkpoint_resumes_exactly() {
     let ck = ckpt_dir("sigterm");
-    let mut job = spawn("step03-layerwise-shard", 2, &args("100000", &["--no-plot", "--ckpt", s(&ck), "--save-every", "1000"]), "sigterm", &[GRACE]);
+    let mut job = spawn(
+        "step03-layerwise-shard",
+        2,
+        &args("100000", &["--no-plot", "--ckpt", s(&ck), "--save-every", "1000"]),
+        "sigterm",
+        &[GRACE],
+    );
     std::thread::sleep(Duration::from_secs(3)); // a few steps in, no checkpoint yet
     assert!(!ck.join("latest").exists() && job.0.try_wait().unwrap().is_none());
     Command::new("kill").args(["-TERM", &job.0.id().to_string()]).status().unwrap();
@@ -333,9 +391,19 @@ fn sigterm_to_mpirun_finishes_the_step_saves_and_the_checkpoint_resumes_exactly(
     assert_eq!(lines.len(), 1, "one line: {lines:?}");
     let step: u64 = latest(&ck)["step-".len()..].parse().unwrap();
     assert!(step >= 1, "a checkpoint of the step it was in");
-    let want = format!("after step {step}: checkpoint {}; resume with --resume {}", s(&ck.join(format!("step-{step:06}"))), s(&ck));
+    let want = format!(
+        "after step {step}: checkpoint {}; resume with --resume {}",
+        s(&ck.join(format!("step-{step:06}"))),
+        s(&ck)
+    );
     assert!(lines[0].starts_with("stopped by mpirun") && lines[0].ends_with(&want), "{lines:?}");
-    assert!(!std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).any(|e| e.file_name().to_string_lossy().starts_with('.')), "no partial save left");
+    assert!(
+        !std::fs::read_dir(&ck)
+            .unwrap()
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().starts_with('.')),
+        "no partial save left"
+    );
     eprintln!("SIGTERM to mpirun: stopped after step {step}, the job ended {took:?} later");
     // Resumed at 4 ranks (default flags: the same order), exactly the uninterrupted run.
     let until = (step + 2).to_string();
@@ -358,19 +426,34 @@ fn sigint_without_ckpt_ends_after_the_step_with_one_line_and_writes_nothing() {
     let (code, lines) = failure(&o);
     assert_ne!(code, 0);
     assert_eq!(lines.len(), 1, "{lines:?}");
-    assert!(lines[0].starts_with("stopped by mpirun") && lines[0].contains(" after step ") && lines[0].contains("nothing saved (pass --ckpt DIR"), "{lines:?}");
+    assert!(
+        lines[0].starts_with("stopped by mpirun")
+            && lines[0].contains(" after step ")
+            && lines[0].contains("nothing saved (pass --ckpt DIR"),
+        "{lines:?}"
+    );
     assert!(took < Duration::from_secs(3), "the ranks end after the step they are in, not at SIGKILL: {took:?}");
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "nothing written to --out");
     // Without mpirun the process ends at once, from the signal handler.
     let out = out_dir("sigterm-direct");
-    let child = Command::new(binary("step01-data-parallel")).args(args("100000", &["--out", s(&out)])).env("RAYON_NUM_THREADS", "1").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let child = Command::new(binary("step01-data-parallel"))
+        .args(args("100000", &["--out", s(&out)]))
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     std::thread::sleep(Duration::from_secs(2));
     Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     let o = child.wait_with_output().unwrap();
     let (code, lines) = failure(&o);
     assert_eq!(code, 128 + 15, "{lines:?}");
     assert_eq!(lines.len(), 1, "{lines:?}");
-    assert!(lines[0].starts_with("stopped by SIGTERM during step ") && lines[0].ends_with("nothing saved (pass --ckpt DIR to save a checkpoint when stopped)"), "{lines:?}");
+    assert!(
+        lines[0].starts_with("stopped by SIGTERM during step ")
+            && lines[0].ends_with("nothing saved (pass --ckpt DIR to save a checkpoint when stopped)"),
+        "{lines:?}"
+    );
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
 }
 
@@ -380,7 +463,11 @@ struct Tmpfs(PathBuf);
 impl Tmpfs {
     fn mount(dir: &Path, size: &str) -> Option<Self> {
         std::fs::create_dir_all(dir).unwrap();
-        let ok = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", s(dir)]).stderr(Stdio::null()).status().is_ok_and(|st| st.success());
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", s(dir)])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|st| st.success());
         ok.then(|| Tmpfs(dir.to_path_buf()))
     }
 }
@@ -401,11 +488,18 @@ fn a_save_that_fails_on_a_full_disk_frees_its_space_and_keeps_the_last_checkpoin
     };
     // One checkpoint of the tiny model is 9.72 MB: the first fits in 12 MB, the second does not.
     let ck = fs.0.join("ckpt");
-    let o = mpirun("step01-data-parallel", 2, &args("2", &["--ckpt", s(&ck), "--save-every", "1", "--keep", "2"]), "full-disk").0;
+    let o = mpirun(
+        "step01-data-parallel",
+        2,
+        &args("2", &["--ckpt", s(&ck), "--save-every", "1", "--keep", "2"]),
+        "full-disk",
+    )
+    .0;
     let (code, lines) = failure(&o);
     assert_eq!((code, lines.len()), (2, 1), "{lines:?}");
     assert!(lines[0].contains("No space left on device"), "{lines:?}");
-    let mut left: Vec<String> = std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
+    let mut left: Vec<String> =
+        std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
     left.sort();
     assert_eq!(left, ["latest", "step-000001"], "the failed save's partial folder is gone");
     assert_eq!(latest(&ck), "step-000001");
@@ -429,7 +523,13 @@ fn a_kill_during_a_save_leaves_the_previous_checkpoint_valid() {
     assert_eq!(latest(&ck), "step-000002");
     assert!(ck.join(".step-000004.partial").is_dir(), "the killed save's partial folder");
     assert!(!ck.join("step-000004").exists());
-    let resumed = train("step03-layerwise-shard", 2, "6", &["--no-plot", "--resume", s(&ck), "--ckpt", s(&ck)], "kill-in-save-resumed");
+    let resumed = train(
+        "step03-layerwise-shard",
+        2,
+        "6",
+        &["--no-plot", "--resume", s(&ck), "--ckpt", s(&ck)],
+        "kill-in-save-resumed",
+    );
     let full = train("step03-layerwise-shard", 2, "6", &["--no-plot"], "kill-in-save-uninterrupted");
     assert_eq!(digest(&resumed), digest(&full));
     assert!(!ck.join(".step-000004.partial").exists(), "the next save cleared the partial folder");
@@ -468,7 +568,13 @@ fn damaged_checkpoints_are_refused_with_one_line_and_left_untouched() {
     let mid = data.len() / 2;
     data[mid] ^= 0x40;
     std::fs::write(&shard1, &data).unwrap();
-    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-flip", "shard shard-001-of-002.safetensors fails its SHA-256 check: the file is corrupt");
+    refused(
+        "step03-layerwise-shard",
+        &ck,
+        &["--no-plot"],
+        "damaged-flip",
+        "shard shard-001-of-002.safetensors fails its SHA-256 check: the file is corrupt",
+    );
     std::fs::write(&shard1, &original).unwrap();
 
     // A truncated shard.
@@ -482,20 +588,41 @@ fn damaged_checkpoints_are_refused_with_one_line_and_left_untouched() {
     let v: serde_json::Value = serde_json::from_str(&meta).unwrap();
     let sha = v["files"][0]["sha256"].as_str().unwrap();
     std::fs::write(&meta_path, meta.replace(sha, &"0".repeat(64))).unwrap();
-    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-checksum", "shard shard-000-of-002.safetensors fails its SHA-256 check");
+    refused(
+        "step03-layerwise-shard",
+        &ck,
+        &["--no-plot"],
+        "damaged-checksum",
+        "shard shard-000-of-002.safetensors fails its SHA-256 check",
+    );
 
     // meta.json that is not JSON; and a missing shard.
     std::fs::write(&meta_path, "{ not json").unwrap();
     refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-meta", "meta.json is not valid");
     std::fs::write(&meta_path, &meta).unwrap();
     std::fs::remove_file(&shard1).unwrap();
-    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-missing", "cannot read shard shard-001-of-002.safetensors");
+    refused(
+        "step03-layerwise-shard",
+        &ck,
+        &["--no-plot"],
+        "damaged-missing",
+        "cannot read shard shard-001-of-002.safetensors",
+    );
     std::fs::write(&shard1, &original).unwrap();
 
     // A file list out of order (shards would land in the wrong place).
-    let swapped = meta.replacen("shard-000-of-002", "shard-XXX-of-002", 1).replacen("shard-001-of-002", "shard-000-of-002", 1).replacen("shard-XXX-of-002", "shard-001-of-002", 1);
+    let swapped = meta
+        .replacen("shard-000-of-002", "shard-XXX-of-002", 1)
+        .replacen("shard-001-of-002", "shard-000-of-002", 1)
+        .replacen("shard-XXX-of-002", "shard-001-of-002", 1);
     std::fs::write(&meta_path, swapped).unwrap();
-    refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-order", "lists shard-001-of-002.safetensors as rank 0's shard at position 0");
+    refused(
+        "step03-layerwise-shard",
+        &ck,
+        &["--no-plot"],
+        "damaged-order",
+        "lists shard-001-of-002.safetensors as rank 0's shard at position 0",
+    );
     // A meta.json that claims another step than its shards were written at.
     std::fs::write(&meta_path, meta.replace("\"step\": 2", "\"step\": 3").replace("\"t\": 2", "\"t\": 3")).unwrap();
     refused("step03-layerwise-shard", &ck, &["--no-plot"], "damaged-step", "was not written by rank 0 of 2 at step 3");
@@ -508,19 +635,64 @@ fn damaged_checkpoints_are_refused_with_one_line_and_left_untouched() {
 #[test]
 fn mismatched_checkpoints_are_refused_naming_the_flag() {
     let ck = good_checkpoint("mismatch");
-    let e = refused("step03-layerwise-shard", &ck, &["--preset", "small"], "mismatch-preset", "pass --preset tiny to resume it");
-    assert_eq!(e, format!("error: checkpoint {} was trained with --preset tiny; this run has --preset small: pass --preset tiny to resume it", ck.display()));
-    refused("step03-layerwise-shard", &ck, &["--weight-decay", "0.1"], "mismatch-decay", "was trained with --weight-decay 0.01; this run has --weight-decay 0.1");
-    let other_batch = ["--batch-size", "4", "--seq-len", "16", "--micro-batches", "24", "--steps", "4", "--no-plot", "--resume", s(&ck)];
+    let e = refused(
+        "step03-layerwise-shard",
+        &ck,
+        &["--preset", "small"],
+        "mismatch-preset",
+        "pass --preset tiny to resume it",
+    );
+    assert_eq!(
+        e,
+        format!(
+            "error: checkpoint {} was trained with --preset tiny; this run has --preset small: pass --preset tiny to resume it",
+            ck.display()
+        )
+    );
+    refused(
+        "step03-layerwise-shard",
+        &ck,
+        &["--weight-decay", "0.1"],
+        "mismatch-decay",
+        "was trained with --weight-decay 0.01; this run has --weight-decay 0.1",
+    );
+    let other_batch = [
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--micro-batches",
+        "24",
+        "--steps",
+        "4",
+        "--no-plot",
+        "--resume",
+        s(&ck),
+    ];
     let e = fails("step03-layerwise-shard", 2, &other_batch, "mismatch-batch");
-    assert!(e.contains("was trained with --batch-size 2; this run has --batch-size 4: pass --batch-size 2 to resume it"), "{e}");
+    assert!(
+        e.contains("was trained with --batch-size 2; this run has --batch-size 4: pass --batch-size 2 to resume it"),
+        "{e}"
+    );
     refused("step03-layerwise-shard", &ck, &["--seed", "7"], "mismatch-seed", "pass --seed 1337");
     refused("step03-layerwise-shard", &ck, &["--lr", "0.002"], "mismatch-lr", "pass --lr 0.001");
     let text = root().join("target").join("test-out").join("mismatch-data.txt");
     std::fs::write(&text, "To be, or not to be, that is the question. ".repeat(40)).unwrap();
-    refused("step03-layerwise-shard", &ck, &["--data", s(&text)], "mismatch-data", "was trained on other data (generated: 262200 chars, vocab 65)");
+    refused(
+        "step03-layerwise-shard",
+        &ck,
+        &["--data", s(&text)],
+        "mismatch-data",
+        "was trained on other data (generated: 262200 chars, vocab 65)",
+    );
     // A checkpoint of another lesson — also at a world size its grouping cannot take: the lesson is named first.
-    refused("step02-whole-model-shard", &ck, &[], "mismatch-lesson", "was written by step03-layerwise-shard, not step02-whole-model-shard");
+    refused(
+        "step02-whole-model-shard",
+        &ck,
+        &[],
+        "mismatch-lesson",
+        "was written by step03-layerwise-shard, not step02-whole-model-shard",
+    );
     let e = fails("step02-whole-model-shard", 4, &args("4", &["--resume", s(&ck)]), "mismatch-lesson-4");
     assert!(e.contains("was written by step03-layerwise-shard"), "{e}");
     // Nothing left to train.
@@ -529,7 +701,13 @@ fn mismatched_checkpoints_are_refused_naming_the_flag() {
     // Lesson 04's precision is part of its arithmetic.
     let ck4 = ckpt_dir("mismatch-precision");
     train("step04-optimizer-state-shard", 2, "2", &["--ckpt", s(&ck4)], "mismatch-precision-good");
-    refused("step04-optimizer-state-shard", &ck4, &["--precision", "fp32"], "mismatch-precision", "was trained with --precision bf16; this run has --precision fp32");
+    refused(
+        "step04-optimizer-state-shard",
+        &ck4,
+        &["--precision", "fp32"],
+        "mismatch-precision",
+        "was trained with --precision bf16; this run has --precision fp32",
+    );
 }
 
 #[test]
@@ -550,7 +728,12 @@ fn checkpoint_flags_out_of_range() {
     assert!(e.contains("--sum-groups 5 must divide --micro-batches 24"), "{e}");
     let e = fails("step02-whole-model-shard", 2, &args("2", &["--sum-groups", "3"]), "ckflag-groups-split");
     assert!(e.contains("--sum-groups 3 does not split among 2 ranks"), "{e}");
-    let e = fails("step01-data-parallel", 2, &args("2", &["--sum-groups", "4", "--reduce", "native"]), "ckflag-groups-native");
+    let e = fails(
+        "step01-data-parallel",
+        2,
+        &args("2", &["--sum-groups", "4", "--reduce", "native"]),
+        "ckflag-groups-native",
+    );
     assert!(e.contains("--reduce native sums one buffer per rank"), "{e}");
     // A fresh run must not write over another run's checkpoints.
     let ck = ckpt_dir("ckflag-occupied");
@@ -564,14 +747,27 @@ fn checkpoint_flags_out_of_range() {
 #[test]
 fn resuming_an_older_checkpoint_into_its_folder_abandons_the_later_ones() {
     let ck = ckpt_dir("older");
-    train("step03-layerwise-shard", 2, "4", &["--no-plot", "--ckpt", s(&ck), "--save-every", "1", "--keep", "10"], "older-first");
+    train(
+        "step03-layerwise-shard",
+        2,
+        "4",
+        &["--no-plot", "--ckpt", s(&ck), "--save-every", "1", "--keep", "10"],
+        "older-first",
+    );
     assert_eq!(latest(&ck), "step-000004");
     let from = ck.join("step-000002");
-    let out = train("step03-layerwise-shard", 2, "3", &["--no-plot", "--resume", s(&from), "--ckpt", s(&ck), "--keep", "10"], "older-resumed");
+    let out = train(
+        "step03-layerwise-shard",
+        2,
+        "3",
+        &["--no-plot", "--resume", s(&from), "--ckpt", s(&ck), "--keep", "10"],
+        "older-resumed",
+    );
     let full = train("step03-layerwise-shard", 2, "3", &["--no-plot"], "older-uninterrupted");
     assert_eq!(digest(&out), digest(&full));
     // Step 4 belonged to the abandoned future: gone; step 3 is the new latest.
-    let mut left: Vec<String> = std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
+    let mut left: Vec<String> =
+        std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
     left.sort();
     assert_eq!(left, ["latest", "step-000001", "step-000002", "step-000003"]);
     assert_eq!(latest(&ck), "step-000003");
@@ -582,10 +778,12 @@ fn a_budget_that_fits_training_also_fits_a_resumed_run() {
     // ZeRO-3 under a budget 5% above its own measured peak: the checkpoint's
     // full state, read on every rank before the shards are cut, does not count.
     let full = train("step04-optimizer-state-shard", 2, "4", &[], "budget-full");
-    let peak = report(&full)["measured_peak_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).max().unwrap();
+    let peak =
+        report(&full)["measured_peak_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).max().unwrap();
     let budget = format!("{}", peak + peak / 20);
     let ck = ckpt_dir("budget");
     train("step04-optimizer-state-shard", 2, "2", &["--mem-budget", &budget, "--ckpt", s(&ck)], "budget-first");
-    let resumed = train("step04-optimizer-state-shard", 2, "4", &["--mem-budget", &budget, "--resume", s(&ck)], "budget-resumed");
+    let resumed =
+        train("step04-optimizer-state-shard", 2, "4", &["--mem-budget", &budget, "--resume", s(&ck)], "budget-resumed");
     assert_eq!(digest(&resumed), digest(&full));
 }

@@ -28,7 +28,11 @@ fn data_parallel_equals_accumulation_bitwise() {
         ok_stdout(&o);
         assert_eq!(digest(&dp), digest(&acc), "N = {n}");
         // And the weights files are byte-identical, not only their digests.
-        assert!(std::fs::read(dp.join("weights.safetensors")).unwrap() == std::fs::read(acc.join("weights.safetensors")).unwrap(), "N = {n}: weights files differ");
+        assert!(
+            std::fs::read(dp.join("weights.safetensors")).unwrap()
+                == std::fs::read(acc.join("weights.safetensors")).unwrap(),
+            "N = {n}: weights files differ"
+        );
     }
 }
 
@@ -88,9 +92,14 @@ fn eval_reads_the_weights_a_run_wrote() {
 /// The replica check says what it did: with --check-every 0, that it was off.
 #[test]
 fn the_replica_check_reports_only_what_it_checked() {
-    let (o, _) = mpirun(PKG, 2, &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--check-every", "0"], "l01-no-check");
+    let (o, _) =
+        mpirun(PKG, 2, &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--check-every", "0"], "l01-no-check");
     let stdout = ok_stdout(&o);
-    assert!(stdout.contains("replica check: off (--check-every 0)") && !stdout.contains("bitwise identical"), "{stdout}");
-    let (o, _) = mpirun(PKG, 2, &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--check-every", "2"], "l01-check-2");
+    assert!(
+        stdout.contains("replica check: off (--check-every 0)") && !stdout.contains("bitwise identical"),
+        "{stdout}"
+    );
+    let (o, _) =
+        mpirun(PKG, 2, &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--check-every", "2"], "l01-check-2");
     assert!(ok_stdout(&o).contains("replica check: 2 checks, every rank's weights bitwise identical"));
 }

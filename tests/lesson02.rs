@@ -25,7 +25,11 @@ fn bitwise_equal_to_lesson_01_at_1_2_3_4_8_ranks() {
         let (o, shard) = mpirun(PKG, n, FAST, &format!("l02-vs-01-shard-{n}"));
         ok_stdout(&o);
         assert_eq!(digest(&dp), digest(&shard), "N = {n}");
-        assert!(std::fs::read(dp.join("weights.safetensors")).unwrap() == std::fs::read(shard.join("weights.safetensors")).unwrap(), "N = {n}: weights files differ");
+        assert!(
+            std::fs::read(dp.join("weights.safetensors")).unwrap()
+                == std::fs::read(shard.join("weights.safetensors")).unwrap(),
+            "N = {n}: weights files differ"
+        );
         let r = report(&shard);
         let div: Vec<f64> = r["divergence"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
         assert_eq!(div, vec![0.0; 3], "N = {n}: max |sharded − replicated| per step");
@@ -54,7 +58,10 @@ fn master_shard_is_one_nth() {
         let (o, out) = mpirun(PKG, n, FAST, &format!("l02-shard-{n}"));
         ok_stdout(&o);
         let r = report(&out);
-        assert_eq!(r["master_shard_bytes"].as_u64().unwrap() * n as u64, r["replicated_master_bytes"].as_u64().unwrap());
+        assert_eq!(
+            r["master_shard_bytes"].as_u64().unwrap() * n as u64,
+            r["replicated_master_bytes"].as_u64().unwrap()
+        );
         assert!(out.join("shard_vs_replicated.svg").exists());
     }
 }
@@ -63,7 +70,12 @@ fn master_shard_is_one_nth() {
 /// must say so: the divergence is NaN, never a comforting 0.00e+00.
 #[test]
 fn a_nan_is_never_read_as_zero_divergence() {
-    let (o, _) = mpirun(PKG, 2, &["--steps", "2", "--lr", "1e38", "--batch-size", "2", "--seq-len", "16", "--log-every", "1"], "l02-nan");
+    let (o, _) = mpirun(
+        PKG,
+        2,
+        &["--steps", "2", "--lr", "1e38", "--batch-size", "2", "--seq-len", "16", "--log-every", "1"],
+        "l02-nan",
+    );
     let stdout = ok_stdout(&o);
     let lines: Vec<&str> = stdout.lines().filter(|l| l.contains("max |sharded − replicated| =")).collect();
     assert_eq!(lines.len(), 2, "{stdout}");

@@ -33,7 +33,10 @@ fn bitwise_equal_to_lesson_01_at_1_2_3_4_8_ranks() {
             let (o, out) = mpirun(PKG, n, &args, &format!("l03-vs-01-{n}-{i}"));
             ok_stdout(&o);
             assert_eq!(digest(&dp), digest(&out), "N = {n} {extra:?}");
-            assert!(dp_weights == std::fs::read(out.join("weights.safetensors")).unwrap(), "N = {n} {extra:?}: weights files differ");
+            assert!(
+                dp_weights == std::fs::read(out.join("weights.safetensors")).unwrap(),
+                "N = {n} {extra:?}: weights files differ"
+            );
         }
     }
 }
@@ -79,11 +82,20 @@ fn traffic_is_two_gathers_and_one_reduce_scatter_per_unit() {
 fn measured_peak_is_below_lesson_02() {
     let (o, out3) = mpirun(PKG, 2, FAST, "l03-peak");
     ok_stdout(&o);
-    let (o, out2) = mpirun("step02-whole-model-shard", 2, &[FAST, &["--no-check", "--no-plot"]].concat(), "l03-peak-02");
+    let (o, out2) =
+        mpirun("step02-whole-model-shard", 2, &[FAST, &["--no-check", "--no-plot"]].concat(), "l03-peak-02");
     ok_stdout(&o);
-    let tl: serde_json::Value = serde_json::from_slice(&std::fs::read(out3.join("memory_timeline.json")).unwrap()).unwrap();
-    let peak = |events: &serde_json::Value| events.as_array().unwrap().iter().map(|e| e["peak_bytes"].as_u64().unwrap()).max().unwrap();
-    let gathers = tl["layerwise"].as_array().unwrap().iter().filter(|e| e["label"].as_str().unwrap().starts_with("gather ")).count();
+    let tl: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out3.join("memory_timeline.json")).unwrap()).unwrap();
+    let peak = |events: &serde_json::Value| {
+        events.as_array().unwrap().iter().map(|e| e["peak_bytes"].as_u64().unwrap()).max().unwrap()
+    };
+    let gathers = tl["layerwise"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["label"].as_str().unwrap().starts_with("gather "))
+        .count();
     assert_eq!(gathers, 10, "root and 4 blocks, twice each");
     let (whole, layerwise) = (peak(&tl["whole_model"]), peak(&tl["layerwise"]));
     assert!(layerwise * 10 < whole * 8, "one step: lesson 03 peaks at {layerwise} bytes, lesson 02 at {whole}");

@@ -16,19 +16,35 @@ fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
 fn every_stage_equals_lesson_01_under_both_precisions() {
     for precision in ["fp32", "bf16"] {
         for n in 1..=4usize {
-            let (o, dp) = mpirun("step01-data-parallel", n, &with(&["--precision", precision]), &format!("l04-dp-{precision}-{n}"));
+            let (o, dp) = mpirun(
+                "step01-data-parallel",
+                n,
+                &with(&["--precision", precision]),
+                &format!("l04-dp-{precision}-{n}"),
+            );
             ok_stdout(&o);
             let dp_weights = std::fs::read(dp.join("weights.safetensors")).unwrap();
             for stage in ["1", "2", "3"] {
-                let (o, out) = mpirun(PKG, n, &with(&["--precision", precision, "--stage", stage]), &format!("l04-{precision}-{n}-{stage}"));
+                let (o, out) = mpirun(
+                    PKG,
+                    n,
+                    &with(&["--precision", precision, "--stage", stage]),
+                    &format!("l04-{precision}-{n}-{stage}"),
+                );
                 ok_stdout(&o);
                 assert_eq!(digest(&dp), digest(&out), "{precision}, N = {n}, stage {stage}");
-                assert!(dp_weights == std::fs::read(out.join("weights.safetensors")).unwrap(), "{precision}, N = {n}, stage {stage}: weights files differ");
+                assert!(
+                    dp_weights == std::fs::read(out.join("weights.safetensors")).unwrap(),
+                    "{precision}, N = {n}, stage {stage}: weights files differ"
+                );
             }
         }
     }
     // bf16 computes something else than fp32 (the test above is not vacuous).
-    assert_ne!(digest(&root().join("target/test-out/l04-dp-fp32-2")), digest(&root().join("target/test-out/l04-dp-bf16-2")));
+    assert_ne!(
+        digest(&root().join("target/test-out/l04-dp-fp32-2")),
+        digest(&root().join("target/test-out/l04-dp-bf16-2"))
+    );
 }
 
 /// The report of each stage at 4 ranks, and of stage 3 at 1–3 ranks: the
@@ -47,11 +63,19 @@ fn reports_are_pinned() {
 #[test]
 fn bf16_halves_the_all_gather_bytes() {
     let sent = |stage: &str, precision: &str| {
-        let (o, out) = mpirun(PKG, 2, &with(&["--stage", stage, "--precision", precision]), &format!("l04-bytes-{stage}-{precision}"));
+        let (o, out) = mpirun(
+            PKG,
+            2,
+            &with(&["--stage", stage, "--precision", precision]),
+            &format!("l04-bytes-{stage}-{precision}"),
+        );
         ok_stdout(&o);
         let r = report(&out);
         let steps = r["steps"].as_u64().unwrap();
-        (r["traffic"]["all_gather"]["bytes_sent"].as_u64().unwrap() / steps, r["traffic"]["reduce_scatter"]["bytes_sent"].as_u64().unwrap() / steps)
+        (
+            r["traffic"]["all_gather"]["bytes_sent"].as_u64().unwrap() / steps,
+            r["traffic"]["reduce_scatter"]["bytes_sent"].as_u64().unwrap() / steps,
+        )
     };
     let (g32, r32) = sent("3", "fp32");
     let (g16, r16) = sent("3", "bf16");
@@ -80,12 +104,29 @@ fn memory_falls_stage_by_stage() {
 /// out of memory — one line, exit 2, every rank ended — and ZeRO-3 trains.
 #[test]
 fn a_budget_that_data_parallel_exceeds_and_zero_3_fits() {
-    let args = ["--preset", "small", "--batch-size", "2", "--seq-len", "64", "--micro-batches", "4", "--steps", "1", "--mem-budget", "150MB"];
+    let args = [
+        "--preset",
+        "small",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--micro-batches",
+        "4",
+        "--steps",
+        "1",
+        "--mem-budget",
+        "150MB",
+    ];
     let (o, _) = mpirun("step01-data-parallel", 4, &[&args[..], &["--precision", "bf16"]].concat(), "l04-fits-dp");
     let (code, lines) = failure(&o);
     assert_eq!(code, 2, "{lines:?}");
     assert_eq!(lines.len(), 1, "{lines:?}");
-    assert!(lines[0].starts_with("error: out of memory on rank 0: needed ") && lines[0].contains("budget 150.00 MB, live "), "{}", lines[0]);
+    assert!(
+        lines[0].starts_with("error: out of memory on rank 0: needed ") && lines[0].contains("budget 150.00 MB, live "),
+        "{}",
+        lines[0]
+    );
     let (o, out) = mpirun(PKG, 4, &[&args[..], &["--stage", "3"]].concat(), "l04-fits-z3");
     ok_stdout(&o);
     assert!(report(&out)["measured_peak_bytes"].as_array().unwrap().iter().all(|p| p.as_u64().unwrap() <= 150_000_000));
@@ -96,7 +137,10 @@ fn a_budget_that_data_parallel_exceeds_and_zero_3_fits() {
 fn zero_tally_scales_to_7b() {
     let o = std::process::Command::new(binary("zero-tally")).args(["7B", "64"]).output().unwrap();
     let stdout = ok_stdout(&o);
-    for row in ["│ data parallel │    (2 + 2 + K)·Ψ │                 16.000 │      112.00 │          no │", "│ ZeRO-3        │  (2 + 2 + K)·Ψ/N │                  0.250 │        1.75 │         yes │"] {
+    for row in [
+        "│ data parallel │    (2 + 2 + K)·Ψ │                 16.000 │      112.00 │          no │",
+        "│ ZeRO-3        │  (2 + 2 + K)·Ψ/N │                  0.250 │        1.75 │         yes │",
+    ] {
         assert!(stdout.contains(row), "{stdout}");
     }
     insta::assert_snapshot!(stdout);

@@ -78,7 +78,9 @@ fn example(name: &str) -> PathBuf {
 /// `candle …` / `ours …` lines of the matmul_bits example.
 fn digests(o: &Output) -> (String, String) {
     let text = String::from_utf8_lossy(&o.stdout).to_string();
-    let get = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).unwrap_or_else(|| panic!("no `{k}` in {text}")).to_string();
+    let get = |k: &str| {
+        text.lines().find_map(|l| l.strip_prefix(k)).unwrap_or_else(|| panic!("no `{k}` in {text}")).to_string()
+    };
     (get("candle "), get("ours "))
 }
 
@@ -88,7 +90,10 @@ fn another_cache_topology_moves_candles_matmul_but_not_ours() {
     let here = Command::new(example("matmul_bits")).env("RAYON_NUM_THREADS", "1").output().unwrap();
     let there = under_fake_cpu(&fake, &example("matmul_bits"), &[]);
     let ((candle_here, ours_here), (candle_there, ours_there)) = (digests(&here), digests(&there));
-    assert_ne!(candle_here, candle_there, "the control: gemm must see the fake cache sizes, or this test proves nothing");
+    assert_ne!(
+        candle_here, candle_there,
+        "the control: gemm must see the fake cache sizes, or this test proves nothing"
+    );
     assert_eq!(ours_here, ours_there, "our kernel's bits may not depend on the cache sizes");
 }
 
@@ -97,7 +102,22 @@ fn the_small_preset_in_fp32_and_bf16_computes_the_pinned_bits_under_another_cach
     let fake = fake_cpu_tree();
     for precision in ["fp32", "bf16"] {
         let name = format!("machine-small-{precision}");
-        let args = ["--preset", "small", "--batch-size", "2", "--seq-len", "64", "--micro-batches", "2", "--steps", "3", "--log-every", "1", "--precision", precision];
+        let args = [
+            "--preset",
+            "small",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "64",
+            "--micro-batches",
+            "2",
+            "--steps",
+            "3",
+            "--log-every",
+            "1",
+            "--precision",
+            precision,
+        ];
         let (o, out) = run_direct("step01-data-parallel", &args, &name);
         let here = deterministic(&ok_stdout(&o));
         insta::assert_snapshot!(format!("small_{precision}"), here);

@@ -55,7 +55,11 @@ fn libclang_cpp_alone_is_not_libclang() {
     // This image: LLVM 14's C++ library and libLLVM, no libclang.
     let m = FakeMachine::new(
         "cpp-only",
-        &["/usr/lib/llvm-14/lib/libclang-cpp.so.14", "/usr/lib/x86_64-linux-gnu/libclang-cpp.so.14", "/usr/lib/llvm-14/lib/libLLVM-14.so"],
+        &[
+            "/usr/lib/llvm-14/lib/libclang-cpp.so.14",
+            "/usr/lib/x86_64-linux-gnu/libclang-cpp.so.14",
+            "/usr/lib/llvm-14/lib/libLLVM-14.so",
+        ],
         ALL_COMMANDS,
     );
     assert_eq!(m.missing(true), ["libclang-dev"]);
@@ -89,7 +93,8 @@ fn each_missing_command_names_its_package() {
         assert_eq!(m.missing(true), packages, "without {absent}");
     }
     // chromium-browser (Ubuntu's name) serves as well.
-    let m = FakeMachine::new("chromium-browser", &lib, &["mpirun", "mpicc", "pkg-config", "chromium-browser", "python3"]);
+    let m =
+        FakeMachine::new("chromium-browser", &lib, &["mpirun", "mpicc", "pkg-config", "chromium-browser", "python3"]);
     assert_eq!(m.missing(true), Vec::<String>::new());
 }
 

@@ -8,7 +8,8 @@ use std::process::{Command, Output};
 /// The small, fast configuration every end-to-end test trains with: the tiny
 /// preset (809,856 params), 24 micro-batches of 2 × 16 tokens per step, so
 /// that 1, 2, 3, 4 and 8 ranks all divide the global batch.
-pub const FAST: &[&str] = &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--micro-batches", "24", "--log-every", "1"];
+pub const FAST: &[&str] =
+    &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--micro-batches", "24", "--log-every", "1"];
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -18,7 +19,11 @@ pub fn root() -> PathBuf {
 pub fn binary(package: &str) -> PathBuf {
     let dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
     let p = dir.join("release").join(package);
-    assert!(p.exists(), "{} is missing: run `cargo build --release --workspace --bins` first (`just test` does)", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --release --workspace --bins` first (`just test` does)",
+        p.display()
+    );
     p
 }
 
@@ -76,7 +81,12 @@ pub fn run_direct(package: &str, args: &[&str], name: &str) -> (Output, PathBuf)
 /// Stdout of a run that must have succeeded.
 pub fn ok_stdout(o: &Output) -> String {
     let stdout = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(o.status.success(), "run failed ({:?})\nstdout:\n{stdout}\nstderr:\n{}", o.status, String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "run failed ({:?})\nstdout:\n{stdout}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
     stdout
 }
 
@@ -128,7 +138,8 @@ pub fn fails(package: &str, ranks: usize, args: &[&str], name: &str) -> String {
     assert_eq!(lines.len(), 1, "{name}: exactly one line on stderr, got {lines:?}");
     assert!(lines[0].starts_with("error: "), "{name}: {lines:?}");
     assert!(!lines[0].contains("panicked") && !lines[0].contains("backtrace"), "{name}: {lines:?}");
-    let left: Vec<_> = std::fs::read_dir(&out).map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).collect()).unwrap_or_default();
+    let left: Vec<_> =
+        std::fs::read_dir(&out).map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).collect()).unwrap_or_default();
     assert!(left.is_empty(), "{name}: a failed run left files in its --out folder: {left:?}");
     lines[0].clone()
 }

@@ -15,11 +15,11 @@ use std::borrow::Cow;
 
 use anyhow::bail;
 use fsdp_comm::{MicroBatchSum, ShardLayout, sum_pairwise};
-use fsdp_gpt::{AdamW, Precision};
 use fsdp_gpt::model::add_grads;
 use fsdp_gpt::params::digest_f32;
+use fsdp_gpt::{AdamW, Precision};
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
-use fsdp_harness::{MemoryTally, Session};
+use fsdp_harness::{MemoryTally, Session, Start};
 
 /// How the gradient is all-reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -46,15 +46,17 @@ pub struct DataParallel {
 }
 
 impl DataParallel {
-    pub fn new(s: &Session, reduce: Reduce, precision: Precision) -> Self {
+    pub fn new(s: &Session, start: Start, reduce: Reduce, precision: Precision) -> Self {
         let numel = s.table.numel();
         let layout = ShardLayout::new(numel, s.world.size());
+        // The same seed (or checkpoint), the same bits, on every rank: kept whole.
+        let (params, moments) = start.into_parts();
         let mut opt = AdamW::new(s.adamw, numel);
-        if let Some(r) = &*s.resumed.borrow() {
-            (opt.m, opt.v, opt.t) = (r.m.clone(), r.v.clone(), r.t);
+        if let Some(m) = moments {
+            (opt.m, opt.v, opt.t) = (m.m, m.v, m.t);
         }
         Self {
-            params: s.start_weights(), // same seed (or checkpoint), same bits, on every rank
+            params,
             grads: s.grad_sum(layout.padded),
             grad_shard: vec![0.0; layout.shard_len],
             opt,
@@ -143,15 +145,30 @@ impl DataParallel {
         let n = s.world.size();
         let mut t = MemoryTally::new();
         t.add("params (fp32)", numel, 4, "full copy on every rank")
-            .add(&format!("params as candle Vars ({})", self.precision), numel, self.precision.bytes(), "compute copy, rebuilt each step")
-            .add(&format!("grads of one micro-batch ({})", self.precision), numel, self.precision.bytes(), "candle's GradStore")
-            .add("grads (flat sum)", s.sum_groups.buffers() * self.grad_shard.len() * n, 4, &sums_note(s.sum_groups.buffers()))
+            .add(
+                &format!("params as candle Vars ({})", self.precision),
+                numel,
+                self.precision.bytes(),
+                "compute copy, rebuilt each step",
+            )
+            .add(
+                &format!("grads of one micro-batch ({})", self.precision),
+                numel,
+                self.precision.bytes(),
+                "candle's GradStore",
+            )
+            .add(
+                "grads (flat sum)",
+                s.sum_groups.buffers() * self.grad_shard.len() * n,
+                4,
+                &sums_note(s.sum_groups.buffers()),
+            )
             .add("AdamW m", numel, 4, "full")
             .add("AdamW v", numel, 4, "full");
         if n > 1 && self.reduce == Reduce::Ordered {
-            let (k, padded) = (s.sum_groups.per_rank(), self.grad_shard.len() * n);
-            let send = if k > 1 { k * padded } else { 0 }; // groups are packed per destination
-            t.add("comm buffers", k * padded + send + self.grad_shard.len(), 4, "all-to-all receive + own shard");
+            let (groups, padded) = (s.sum_groups.per_rank(), self.grad_shard.len() * n);
+            let send = if groups > 1 { groups * padded } else { 0 }; // groups are packed per destination
+            t.add("comm buffers", groups * padded + send + self.grad_shard.len(), 4, "all-to-all receive + own shard");
         }
         if simulated_ranks.is_some() {
             t.add("sum over the groups", numel, 4, "the simulated all-reduce's result");

@@ -13,9 +13,10 @@ use clap::Parser;
 use data_parallel::{DataParallel, Reduce};
 use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
-use fsdp_harness::{Lesson, Report, Run, Session, TrainArgs, print0};
+use fsdp_harness::{Lesson, Report, Session, TrainArgs, print0};
 
-const LESSON: Lesson = Lesson { package: "step01-data-parallel", title: "data parallelism, everything replicated (the oracle)" };
+const LESSON: Lesson =
+    Lesson { package: "step01-data-parallel", title: "data parallelism, everything replicated (the oracle)" };
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -46,7 +47,7 @@ fn main() -> ExitCode {
                 if world.size() > 1 {
                     anyhow::bail!("--accumulate simulates ranks in one process: run it without mpirun (or with -n 1)");
                 }
-                if n > m as usize || m as usize % n != 0 {
+                if n > m as usize || !(m as usize).is_multiple_of(n) {
                     anyhow::bail!("--accumulate {n} needs --micro-batches to be a multiple of {n} (it is {m})");
                 }
             }
@@ -56,11 +57,21 @@ fn main() -> ExitCode {
         if train.sum_groups.is_none() && train.resume.is_none() {
             train.sum_groups = args.accumulate; // N simulated ranks sum in N groups (a checkpoint keeps its own)
         }
-        let s = Session::with_flags(world, lesson, train, &[("--precision", args.precision.to_string()), ("--reduce", format!("{:?}", args.reduce).to_lowercase())])?;
+        let (s, start) = Session::with_flags(
+            world,
+            lesson,
+            train,
+            &[("--precision", args.precision.to_string()), ("--reduce", format!("{:?}", args.reduce).to_lowercase())],
+        )?;
         fsdp_harness::edge::agree(world, check(s.sampler.micro_batches as u32))?;
-        let k = s.sum_groups.per_rank();
-        if args.reduce == Reduce::Native && accumulate.is_none() && k > 1 {
-            fsdp_harness::edge::agree(world, Err::<(), _>(anyhow::anyhow!("--reduce native sums one buffer per rank, but this run sums {k} gradient groups per rank (--sum-groups, or the checkpoint's): use --reduce ordered")))?;
+        let groups = s.sum_groups.per_rank();
+        if args.reduce == Reduce::Native && accumulate.is_none() && groups > 1 {
+            fsdp_harness::edge::agree(
+                world,
+                Err::<(), _>(anyhow::anyhow!(
+                    "--reduce native sums one buffer per rank, but this run sums {groups} gradient groups per rank (--sum-groups, or the checkpoint's): use --reduce ordered"
+                )),
+            )?;
         }
         let mut extra = vec![("all-reduce", format!("{:?}", args.reduce).to_lowercase())];
         if args.precision != Precision::Fp32 {
@@ -70,12 +81,9 @@ fn main() -> ExitCode {
             extra.push(("accumulate", format!("{n} simulated ranks in one process")));
         }
         s.print_config(&extra);
-        fsdp_harness::edge::mark_setup_done();
 
-        let mut dp = DataParallel::new(&s, args.reduce, args.precision);
-        s.forget_resumed();
-        let mut run = Run::start(&s);
-        s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
+        let mut dp = DataParallel::new(&s, start, args.reduce, args.precision);
+        let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let mut checks = 0;
         for step in s.steps() {
             let loss = match accumulate {
@@ -96,9 +104,9 @@ fn main() -> ExitCode {
 
         let n = world.size() as u64;
         let shard = 4 * s.table.numel().div_ceil(world.size()) as u64;
-        let k = s.sum_groups.per_rank() as u64; // sum groups of mine: k reduce-scatters' bytes, one all-gather's
+        let groups = s.sum_groups.per_rank() as u64; // sum groups of mine: that many reduce-scatters' bytes, one all-gather's
         let mut report = Report::new(&s, &run, dp.tally(&s, accumulate));
-        report.expect_traffic(Collective::AllReduce, (k + 1) * (n - 1) * shard);
+        report.expect_traffic(Collective::AllReduce, (groups + 1) * (n - 1) * shard);
         report.finish(Some(&dp.params))
     })
 }

@@ -28,13 +28,18 @@ fn exercise_2_1_predict_the_tally_at_4_ranks() {
 fn exercise_2_2_the_order_of_a_sum() {
     let mut rng = SplitMix64::new(22);
     let ranks: Vec<Vec<f32>> = (0..4).map(|_| (0..10_000).map(|_| rng.normal() as f32).collect()).collect();
-    let ordered: Vec<f32> = ranks.iter().fold(vec![0.0; 10_000], |acc, r| acc.iter().zip(r).map(|(a, b)| a + b).collect());
+    let ordered: Vec<f32> =
+        ranks.iter().fold(vec![0.0; 10_000], |acc, r| acc.iter().zip(r).map(|(a, b)| a + b).collect());
     let reversed = sum_in_reverse_rank_order(&ranks);
-    let exact_same: Vec<f32> = ranks.iter().rev().fold(vec![0.0; 10_000], |acc, r| acc.iter().zip(r).map(|(a, b)| a + b).collect());
+    let exact_same: Vec<f32> =
+        ranks.iter().rev().fold(vec![0.0; 10_000], |acc, r| acc.iter().zip(r).map(|(a, b)| a + b).collect());
     assert_eq!(reversed, exact_same, "add rank N−1 first, then N−2, …, then rank 0");
     let differ = ordered.iter().zip(&reversed).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
     let max = ordered.iter().zip(&reversed).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    insta::assert_snapshot!(format!("4 ranks, 10,000 elements: {differ} sums differ in their bits; largest difference {}", sci(max as f64)));
+    insta::assert_snapshot!(format!(
+        "4 ranks, 10,000 elements: {differ} sums differ in their bits; largest difference {}",
+        sci(max as f64)
+    ));
 }
 
 #[test]

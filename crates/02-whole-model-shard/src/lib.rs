@@ -5,9 +5,10 @@
 //! against and as the reference of its `--check`.
 //!
 //! ```no_run
-//! # fn demo(s: &fsdp_harness::Session) -> anyhow::Result<()> {
+//! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
 //! use step02_whole_model_shard::WholeModelShard;
-//! let mut fsdp = WholeModelShard::new(s, false);
+//! let mut fsdp = WholeModelShard::new(s, &start, false);
+//! drop(start); // my shard is cut
 //! let r = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! println!("loss {}", r.loss);
 //! # Ok(()) }

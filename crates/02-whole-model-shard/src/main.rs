@@ -5,10 +5,10 @@
 //! just step 02            # 2 ranks, --check and the figure on
 //! just step 02 4 --steps 100
 //! ```
-#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
-mod exercises;
 #[cfg(test)]
 mod exercise_checks;
+#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
+mod exercises;
 
 use std::process::ExitCode;
 
@@ -17,10 +17,11 @@ use fsdp_comm::{Collective, nan_max};
 use fsdp_harness::plot::{Chart, Series};
 use fsdp_harness::report::points_from;
 use fsdp_harness::table::{Table, mb, sci, thousands};
-use fsdp_harness::{Lesson, MemoryTimeline, Report, Run, Session, TrainArgs, print0};
+use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
 
-const LESSON: Lesson = Lesson { package: "step02-whole-model-shard", title: "whole-model shard: gather everything, update your shard" };
+const LESSON: Lesson =
+    Lesson { package: "step02-whole-model-shard", title: "whole-model shard: gather everything, update your shard" };
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -39,14 +40,15 @@ fn main() -> ExitCode {
     fsdp_harness::main(LESSON, |world, lesson| {
         let args: Args = fsdp_harness::parse_args(lesson)?;
         let check = !args.no_check;
-        let s = Session::new(world, lesson, args.train)?;
-        s.print_config(&[("check against replicated", if check { "every step".into() } else { "off (--no-check)".into() })]);
-        fsdp_harness::edge::mark_setup_done();
+        let (s, start) = Session::new(world, lesson, args.train)?;
+        s.print_config(&[(
+            "check against replicated",
+            if check { "every step".into() } else { "off (--no-check)".into() },
+        )]);
 
-        let mut fsdp = WholeModelShard::new(&s, check);
-        s.forget_resumed();
-        let mut run = Run::start(&s);
-        s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
+        let mut fsdp = WholeModelShard::new(&s, &start, check);
+        drop(start); // my shard is cut: the whole start state goes
+        let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let (mut ref_losses, mut divergence) = (vec![], vec![]);
         for step in s.steps() {
             let r = fsdp.step(&s, step, &mut MemoryTimeline::off())?;
@@ -75,17 +77,21 @@ fn main() -> ExitCode {
         t.row(["padding".to_string(), format!("{} elements", l.padding())]);
         t.row([
             "max |sharded − replicated|".to_string(),
-            if check { format!("{} over {} steps", sci(max_div as f64), divergence.len()) } else { "not checked (--no-check)".into() },
+            if check {
+                format!("{} over {} steps", sci(max_div as f64), divergence.len())
+            } else {
+                "not checked (--no-check)".into()
+            },
         ]);
 
         let (shard, nn) = (4 * l.shard_len as u64, n as u64);
-        let k = s.sum_groups.per_rank() as u64; // sum groups of mine: k reduce-scatters' bytes, one all-gather's
+        let groups = s.sum_groups.per_rank() as u64; // sum groups of mine: that many reduce-scatters' bytes, one all-gather's
         let mut report = Report::new(&s, &run, fsdp.tally(&s));
         report
             .traffic(training_traffic)
             .table(t.render())
             .expect_traffic(Collective::AllGather, (nn - 1) * shard)
-            .expect_traffic(Collective::AllReduce, (k + 1) * (nn - 1) * shard)
+            .expect_traffic(Collective::AllReduce, (groups + 1) * (nn - 1) * shard)
             .json("max_divergence", serde_json::json!(if check { Some(max_div) } else { None }))
             .json("divergence", serde_json::json!(divergence))
             .json("reference_losses", serde_json::json!(ref_losses))
@@ -107,7 +113,12 @@ fn figure(first: u64, losses: &[f32], reference: &[f32], divergence: &[f32], n: 
             x_label: "step".into(),
             y_label: "loss".into(),
             series: vec![
-                Series { name: "replicated".into(), color: "#1f77b4", points: points_from(first, reference), dashed: false },
+                Series {
+                    name: "replicated".into(),
+                    color: "#1f77b4",
+                    points: points_from(first, reference),
+                    dashed: false,
+                },
                 Series { name: "sharded".into(), color: "#ff7f0e", points: points_from(first, losses), dashed: true },
             ],
             y_range: None,
@@ -116,7 +127,12 @@ fn figure(first: u64, losses: &[f32], reference: &[f32], divergence: &[f32], n: 
             title: "max |sharded − replicated| per step".into(),
             x_label: "step".into(),
             y_label: "max abs difference of weights".into(),
-            series: vec![Series { name: "divergence".into(), color: "#d62728", points: points_from(first, divergence), dashed: false }],
+            series: vec![Series {
+                name: "divergence".into(),
+                color: "#d62728",
+                points: points_from(first, divergence),
+                dashed: false,
+            }],
             y_range: Some((-1e-6, 1e-6)),
         },
     ]

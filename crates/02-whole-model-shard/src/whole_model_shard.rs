@@ -17,7 +17,7 @@ use fsdp_comm::{MicroBatchSum, ShardLayout, World, nan_max};
 use fsdp_gpt::AdamW;
 use fsdp_gpt::model::add_grads;
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
-use fsdp_harness::{MemoryTally, MemoryTimeline, Session};
+use fsdp_harness::{MemoryTally, MemoryTimeline, Session, Start};
 
 /// One rank's share of the training state.
 pub struct WholeModelShard {
@@ -52,16 +52,16 @@ pub struct StepResult {
 }
 
 impl WholeModelShard {
-    pub fn new(s: &Session, check: bool) -> Self {
+    pub fn new(s: &Session, start: &Start, check: bool) -> Self {
         let (rank, n) = (s.world.rank(), s.world.size());
         let layout = ShardLayout::new(s.table.numel(), n);
         // Every rank builds the same initial vector (or reads the same
         // checkpoint) and keeps only its slice: no communication needed to start.
-        let full = s.start_weights();
-        let master = cut_shard(&full, layout, rank); // padding: zeros that no parameter uses
+        let master = cut_shard(&start.weights, layout, rank); // padding: zeros that no parameter uses
         let mut opt = AdamW::new(s.adamw, layout.shard_len);
-        let mut reference = check.then(|| Reference { params: full, opt: AdamW::new(s.adamw, layout.numel) });
-        if let Some(r) = &*s.resumed.borrow() {
+        let mut reference =
+            check.then(|| Reference { params: start.weights.clone(), opt: AdamW::new(s.adamw, layout.numel) });
+        if let Some(r) = &start.moments {
             (opt.m, opt.v, opt.t) = (cut_shard(&r.m, layout, rank), cut_shard(&r.v, layout, rank), r.t);
             if let Some(re) = reference.as_mut() {
                 (re.opt.m, re.opt.v, re.opt.t) = (r.m.clone(), r.v.clone(), r.t);
@@ -135,7 +135,12 @@ impl WholeModelShard {
 
     /// My shard of the master weights, `m` and `v`, for a checkpoint.
     pub fn checkpoint_pieces(&self, s: &Session) -> Vec<ShardPiece<'_>> {
-        vec![ShardPiece::flat(&s.table, Cow::Borrowed(&self.master), Cow::Borrowed(&self.opt.m), Cow::Borrowed(&self.opt.v))]
+        vec![ShardPiece::flat(
+            &s.table,
+            Cow::Borrowed(&self.master),
+            Cow::Borrowed(&self.opt.m),
+            Cow::Borrowed(&self.opt.v),
+        )]
     }
 
     // ANCHOR: tally
@@ -153,8 +158,13 @@ impl WholeModelShard {
             .add("grads of one micro-batch", numel, 4, "candle's GradStore, full")
             .add("grads (flat sum)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced");
         if n > 1 {
-            let k = s.sum_groups.per_rank(); // sum groups of mine: packed per destination when more than one
-            t.add("comm buffers", k * l.padded + if k > 1 { k * l.padded } else { 0 } + l.shard_len, 4, "all-to-all receive + own shard");
+            let groups = s.sum_groups.per_rank(); // sum groups of mine: packed per destination when more than one
+            t.add(
+                "comm buffers",
+                groups * l.padded + if groups > 1 { groups * l.padded } else { 0 } + l.shard_len,
+                4,
+                "all-to-all receive + own shard",
+            );
         }
         if self.reference.is_some() {
             t.add("--check reference", 3 * numel, 4, "replicated params, m, v");

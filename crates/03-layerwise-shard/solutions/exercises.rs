@@ -9,10 +9,7 @@ pub fn largest_unit(root: usize, block: usize, n_layer: usize, g: usize) -> usiz
 
 /// Exercise 3.2: every gather sends one padded shard to N − 1 ranks.
 pub fn all_gather_bytes(unit_numels: &[usize], ranks: usize) -> u64 {
-    unit_numels
-        .iter()
-        .map(|&numel| (2 * (ranks - 1) * numel.div_ceil(ranks) * 4) as u64)
-        .sum()
+    unit_numels.iter().map(|&numel| (2 * (ranks - 1) * numel.div_ceil(ranks) * 4) as u64).sum()
 }
 
 /// Exercise 3.3: the sum over ranks first, then over micro-batches.

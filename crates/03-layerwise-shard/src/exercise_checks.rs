@@ -27,7 +27,14 @@ fn exercise_3_1_group_two_blocks_per_unit() {
             let sizes = unit_sizes(&cfg, g);
             let largest = *sizes.iter().max().expect("units");
             assert_eq!(largest_unit(root, block, cfg.n_layer, g), largest, "{name}, {g} blocks per unit");
-            t.row([name.to_string(), g.to_string(), sizes.len().to_string(), thousands(largest as u64), mb(4 * largest as u64), mb(4 * whole as u64)]);
+            t.row([
+                name.to_string(),
+                g.to_string(),
+                sizes.len().to_string(),
+                thousands(largest as u64),
+                mb(4 * largest as u64),
+                mb(4 * whole as u64),
+            ]);
         }
     }
     insta::assert_snapshot!(t.render());
@@ -38,14 +45,16 @@ fn exercise_3_2_count_the_all_gathers() {
     let cfg = GptConfig::preset("tiny", 65).expect("tiny exists");
     let sizes = unit_sizes(&cfg, 1);
     let whole: usize = sizes.iter().sum();
-    let mut t = Table::new(["ranks", "lesson 03 all-gather bytes / step", "lesson 02 all-gather bytes / step", "ratio"]);
+    let mut t =
+        Table::new(["ranks", "lesson 03 all-gather bytes / step", "lesson 02 all-gather bytes / step", "ratio"]);
     for ranks in [1, 2, 3, 4, 8] {
         let layouts: Vec<ShardLayout> = sizes.iter().map(|&n| ShardLayout::new(n, ranks)).collect();
         let (lesson, _) = bytes_per_step(&layouts);
         assert_eq!(all_gather_bytes(&sizes, ranks), lesson, "{ranks} ranks");
         let l = ShardLayout::new(whole, ranks);
         let whole_model = ((ranks - 1) * l.shard_len * 4) as u64;
-        let ratio = if whole_model == 0 { "—".to_string() } else { format!("{:.2}×", lesson as f64 / whole_model as f64) };
+        let ratio =
+            if whole_model == 0 { "—".to_string() } else { format!("{:.2}×", lesson as f64 / whole_model as f64) };
         t.row([ranks.to_string(), thousands(lesson), thousands(whole_model), ratio]);
     }
     insta::assert_snapshot!(t.render());
@@ -58,7 +67,9 @@ fn exercise_3_3_reduce_once_or_per_micro_batch() {
     let grads: Vec<Vec<Vec<f32>>> =
         (0..ranks).map(|_| (0..k).map(|_| (0..len).map(|_| rng.normal() as f32).collect()).collect()).collect();
     // Reduce once: each rank sums its micro-batches, then one reduce over the ranks (here left to right).
-    let sum = |vs: &mut dyn Iterator<Item = &Vec<f32>>| vs.fold(vec![0.0f32; len], |acc, g| acc.iter().zip(g).map(|(a, b)| a + b).collect::<Vec<f32>>());
+    let sum = |vs: &mut dyn Iterator<Item = &Vec<f32>>| {
+        vs.fold(vec![0.0f32; len], |acc, g| acc.iter().zip(g).map(|(a, b)| a + b).collect::<Vec<f32>>())
+    };
     let local: Vec<Vec<f32>> = grads.iter().map(|r| sum(&mut r.iter())).collect();
     let once = sum(&mut local.iter());
     // The exercise's order, worked out here independently.

@@ -23,8 +23,8 @@
 //! them, so the weights stay lesson 01's, bit for bit.
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
-use fsdp_gpt::Batch;
 use fsdp_comm::MicroBatchSum;
+use fsdp_gpt::Batch;
 use fsdp_gpt::model::{add_grads, add_into, loss as cross_entropy};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_harness::{MemoryTimeline, Session};
@@ -113,7 +113,8 @@ impl LayerwiseShard {
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
         let w = s.world;
         let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
-        let mut c = Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], head_lnf: vec![], loss_sum: 0.0 };
+        let mut c =
+            Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], head_lnf: vec![], loss_sum: 0.0 };
         let plan = schedule(self.units.len() - 1);
         let mut prefetched: Option<Tensor> = None;
         for (at, &phase) in plan.iter().enumerate() {
@@ -124,18 +125,18 @@ impl LayerwiseShard {
                 true => {
                     let gathered = match prefetched.take() {
                         Some(t) => t,
-                        None => unit.weights(w)?,
+                        None => unit.unshard(w)?,
                     };
-                    let params = s.model.vars_from_tensor(&s.table, &unit.params, &gathered)?;
+                    let params = s.model.vars_from_tensor(&s.table, unit.params(), &gathered)?;
                     drop(gathered);
-                    tl.mark(format!("{} {}", if unit.resident.is_some() { "use resident" } else { "gather" }, unit.name));
+                    tl.mark(format!("{} {}", if unit.gathers() { "gather" } else { "use unsharded" }, unit.name()));
                     params
                 }
             };
 
             // 2. compute — with the next unit's all-gather in flight under --prefetch
             let next = plan.get(at + 1).filter(|p| p.needs_weights()).map(|p| &self.units[p.unit()]);
-            let (grad_sum, next_gathered) = match next.filter(|u| self.prefetch && u.resident.is_none()) {
+            let (grad_sum, next_gathered) = match next.filter(|u| self.prefetch && u.gathers()) {
                 Some(next) => {
                     let (r, t) = next.gather_while(w, true, || run_phase(s, phase, unit, &params, &mut c))?;
                     (r, Some(t))
@@ -143,13 +144,13 @@ impl LayerwiseShard {
                 None => (run_phase(s, phase, unit, &params, &mut c), None),
             };
             prefetched = next_gathered;
-            tl.mark(format!("{} {}", phase.label(), unit.name));
+            tl.mark(format!("{} {}", phase.label(), unit.name()));
 
             // 3. free the unit; after its backward, reduce-scatter its gradient
             drop(params);
             if let Some(mut grads) = grad_sum? {
                 self.units[phase.unit()].reduce_scatter(w, &mut grads);
-                tl.mark(format!("reduce-scatter {}, free it", self.units[phase.unit()].name));
+                tl.mark(format!("reduce-scatter {}, free it", self.units[phase.unit()].name()));
             }
         }
         // 4. update: AdamW on my shard of every unit, with the mean gradient
@@ -181,13 +182,20 @@ impl LayerwiseShard {
 // ANCHOR: phases
 /// One schedule entry's compute, on the gathered `p` (the unit's parameters
 /// in its flat order). Returns the unit's gradient sums when they are complete.
-fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carry) -> anyhow::Result<Option<MicroBatchSum>> {
+fn run_phase(
+    s: &Session,
+    phase: Phase,
+    unit: &FsdpUnit,
+    p: &[Var],
+    c: &mut Carry,
+) -> anyhow::Result<Option<MicroBatchSum>> {
     let detached: Vec<Tensor> = p.iter().map(|v| v.as_detached_tensor()).collect(); // forward: no graph
     let tracked: Vec<Tensor> = p.iter().map(|v| v.as_tensor().clone()).collect(); // backward: a graph to the Vars
     let m = &s.model;
     match phase {
         Phase::Embed => {
-            let x = c.batches.iter().map(|b| m.embed(&detached[0], &detached[1], &b.inputs)).collect::<Result<_, _>>()?;
+            let x =
+                c.batches.iter().map(|b| m.embed(&detached[0], &detached[1], &b.inputs)).collect::<Result<_, _>>()?;
             c.inputs.push(x); // (B, T, C) per micro-batch: block unit 1's input
             Ok(None)
         }
@@ -213,7 +221,7 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
             Ok(None)
         }
         Phase::Backward(_) => {
-            let mut sum = s.grad_sum(unit.layout.padded);
+            let mut sum = s.grad_sum(unit.layout().padded);
             let inputs = c.inputs.pop().context("unit input")?;
             for (x, g) in inputs.iter().zip(c.upstream.iter_mut()) {
                 let x = Var::from_tensor(x)?;
@@ -228,10 +236,10 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
         Phase::EmbedBackward => {
             // The embedding's backward needs only the token ids and the
             // upstream gradient — no weights, so nothing was gathered.
-            let mut sum = s.grad_sum(unit.layout.padded);
-            let r = &unit.ranges; // wte, wpe, ln_f.weight, ln_f.bias
+            let mut sum = s.grad_sum(unit.layout().padded);
+            let r = unit.ranges(); // wte, wpe, ln_f.weight, ln_f.bias
             let dtype = c.upstream.first().map_or(DType::F32, Tensor::dtype); // the compute dtype
-            let wpe_var = Var::zeros(s.table.specs[unit.params[1]].shape.as_slice(), dtype, &Device::Cpu)?;
+            let wpe_var = Var::zeros(s.table.specs[unit.params()[1]].shape.as_slice(), dtype, &Device::Cpu)?;
             for (((b, g), head), lnf) in c.batches.iter().zip(&c.upstream).zip(&c.head_wte).zip(&c.head_lnf) {
                 let ids = b.inputs.flatten_all()?; // (B·T)
                 let rows = Var::zeros((ids.dim(0)?, s.cfg.n_embd), dtype, &Device::Cpu)?; // stand-in for the looked-up rows
@@ -256,7 +264,7 @@ fn run_phase(s: &Session, phase: Phase, unit: &FsdpUnit, p: &[Var], c: &mut Carr
 /// The unit's blocks, in order, on one micro-batch. (B, T, C) → (B, T, C).
 fn run_blocks(s: &Session, unit: &FsdpUnit, p: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
     let mut x = x.clone();
-    for b in 0..unit.blocks {
+    for b in 0..unit.blocks() {
         x = s.model.block(&p[b * PARAMS_PER_BLOCK..(b + 1) * PARAMS_PER_BLOCK], &x)?;
     }
     Ok(x)

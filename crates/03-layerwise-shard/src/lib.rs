@@ -6,11 +6,11 @@
 //! and [`tally`] the bytes they cost.
 //!
 //! ```no_run
-//! # fn demo(s: &fsdp_harness::Session) -> anyhow::Result<()> {
-//! use step03_layerwise_shard::{LayerwiseShard, units::build_units};
-//! let init = s.table.init_flat(s.args.seed);
-//! let (rank, n) = (s.world.rank(), s.world.size());
-//! let units = build_units(&s.table, s.cfg.n_layer, 1, &init, rank, n, s.adamw, fsdp_gpt::Precision::Fp32);
+//! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
+//! use step03_layerwise_shard::{LayerwiseShard, units::{UnitPolicy, build_units}};
+//! // One block per unit, resharded after every use, gathered in fp32 (FSDP2's defaults).
+//! let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, UnitPolicy::default())?;
+//! drop(start); // my shards are cut
 //! let mut fsdp = LayerwiseShard { units, prefetch: false };
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }

@@ -6,10 +6,10 @@
 //! just step 03 4 --prefetch         # the next unit's all-gather overlaps compute
 //! just step 03 2 --blocks-per-unit 2 --check
 //! ```
-#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
-mod exercises;
 #[cfg(test)]
 mod exercise_checks;
+#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
+mod exercises;
 
 use std::process::ExitCode;
 
@@ -18,13 +18,14 @@ use clap::Parser;
 use fsdp_comm::{Collective, nan_max};
 use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
-use fsdp_harness::{Lesson, MemoryTimeline, Report, Run, Session, TrainArgs, print0};
+use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::LayerwiseShard;
 use step03_layerwise_shard::tally::{StepShape, bytes_per_step, tally, unsharded_peak_table};
-use step03_layerwise_shard::units::build_units;
+use step03_layerwise_shard::units::{UnitPolicy, build_units};
 
-const LESSON: Lesson = Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time" };
+const LESSON: Lesson =
+    Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time" };
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -51,35 +52,41 @@ struct Args {
 fn main() -> ExitCode {
     fsdp_harness::main(LESSON, |world, lesson| {
         let args: Args = fsdp_harness::parse_args(lesson)?;
-        let s = Session::new(world, lesson, args.train)?;
+        let (s, start) = Session::new(world, lesson, args.train)?;
         let layers = s.cfg.n_layer;
-        let g = args.blocks_per_unit;
-        fsdp_harness::edge::agree(world, match g {
-            0 => Err(anyhow!("--blocks-per-unit 0: a unit needs at least one block (pass 1 to {layers})")),
-            g if g > layers => Err(anyhow!("--blocks-per-unit {g} exceeds the {} preset's {layers} blocks: pass 1 to {layers}", s.args.preset)),
-            _ => Ok(()),
-        })?;
-        let init = s.start_weights(); // the seed's weights, or the checkpoint's under --resume
-        let mut units = build_units(&s.table, layers, g, &init, world.rank(), world.size(), s.adamw, fsdp_gpt::Precision::Fp32);
-        drop(init);
-        if let Some(r) = &*s.resumed.borrow() {
-            units.iter_mut().for_each(|u| u.restore_moments(&s.table, r, world.rank()));
-        }
-        let unit_names: Vec<&str> = units.iter().map(|u| u.name.as_str()).collect();
+        let blocks_per_unit = args.blocks_per_unit;
+        fsdp_harness::edge::agree(
+            world,
+            match blocks_per_unit {
+                0 => Err(anyhow!("--blocks-per-unit 0: a unit needs at least one block (pass 1 to {layers})")),
+                blocks_per_unit if blocks_per_unit > layers => Err(anyhow!(
+                    "--blocks-per-unit {blocks_per_unit} exceeds the {} preset's {layers} blocks: pass 1 to {layers}",
+                    s.args.preset
+                )),
+                _ => Ok(()),
+            },
+        )?;
+        // My shard of every unit, cut from the seed's weights (or the checkpoint's).
+        let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, UnitPolicy::default())?;
+        let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
         s.print_config(&[
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
-            ("prefetch", if args.prefetch { "on: next unit's all-gather overlaps compute".into() } else { "off".into() }),
-            ("check against lesson 02", if args.check { "every step".into() } else { "off (--check turns it on)".into() }),
+            (
+                "prefetch",
+                if args.prefetch { "on: next unit's all-gather overlaps compute".into() } else { "off".into() },
+            ),
+            (
+                "check against lesson 02",
+                if args.check { "every step".into() } else { "off (--check turns it on)".into() },
+            ),
         ]);
-        fsdp_harness::edge::mark_setup_done();
 
         let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch };
-        let mut reference = args.check.then(|| WholeModelShard::new(&s, false));
-        s.forget_resumed();
+        let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false));
+        drop(start); // the shards are cut: the whole start state goes
         let mut timeline = MemoryTimeline::off();
         let mut divergence = vec![];
-        let mut run = Run::start(&s);
-        s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
+        let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         for step in s.steps() {
             timeline.record(step == s.first_step && !args.no_plot);
             let loss = fsdp.step(&s, step, &mut timeline)?;
@@ -111,13 +118,19 @@ fn main() -> ExitCode {
             n_embd: s.cfg.n_embd,
             vocab_size: s.cfg.vocab_size,
         };
-        let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout).collect();
+        let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout()).collect();
         let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts);
         let scatter_bytes = scatter_bytes * s.sum_groups.per_rank() as u64; // one sum per group of mine
         let mut units = Table::new(["unit", "elements", "padding", "shard / rank", "MB unsharded"]);
         for u in &fsdp.units {
-            let l = u.layout;
-            units.row([u.name.clone(), fsdp_harness::table::thousands(l.numel as u64), l.padding().to_string(), fsdp_harness::table::thousands(l.shard_len as u64), mb(4 * l.numel as u64)]);
+            let l = u.layout();
+            units.row([
+                u.name().to_string(),
+                fsdp_harness::table::thousands(l.numel as u64),
+                l.padding().to_string(),
+                fsdp_harness::table::thousands(l.shard_len as u64),
+                mb(4 * l.numel as u64),
+            ]);
         }
         let max_div = divergence.iter().copied().fold(0.0, nan_max);
         let mut report = Report::new(&s, &run, tally(&fsdp.units, shape, args.prefetch));
@@ -129,17 +142,21 @@ fn main() -> ExitCode {
             .expect_traffic(Collective::ReduceScatter, scatter_bytes)
             .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
             .json("divergence", serde_json::json!(divergence))
-            .json("units", serde_json::json!(fsdp.units.iter().map(|u| serde_json::json!({"name": u.name, "elements": u.layout.numel, "shard": u.layout.shard_len})).collect::<Vec<_>>()))
+            .json("units", serde_json::json!(fsdp.units.iter().map(|u| serde_json::json!({"name": u.name(), "elements": u.layout().numel, "shard": u.layout().shard_len})).collect::<Vec<_>>()))
             .json("memory_timeline", serde_json::json!(timeline.events));
         if args.check {
-            report.table(format!("max |layer-wise − whole-model| = {} over {} steps\n", sci(max_div as f64), divergence.len()));
+            report.table(format!(
+                "max |layer-wise − whole-model| = {} over {} steps\n",
+                sci(max_div as f64),
+                divergence.len()
+            ));
         }
         report.finish(Some(&full))?;
         drop((full, fsdp)); // lesson 02's step below starts from the session alone
 
         // The memory timeline: one step of lesson 02 on the same model and batch.
         if !args.no_plot {
-            let mut whole = WholeModelShard::new(&s, false);
+            let mut whole = WholeModelShard::new(&s, &s.seed_start(), false);
             let mut whole_timeline = MemoryTimeline::off();
             whole_timeline.record(true);
             whole.step(&s, s.first_step, &mut whole_timeline)?;
@@ -164,9 +181,12 @@ fn timeline_figure(s: &Session, whole: &MemoryTimeline, layerwise: &MemoryTimeli
         layerwise.chart(&format!("lesson 03, one unit at a time · rank 0 of {n}"), Some((0.0, top))),
     ];
     let path = s.out.join("memory_timeline.svg");
-    fsdp_gpt::checkpoint::write_atomically(&path, fsdp_harness::plot::svg(&charts).as_bytes())?;
+    fsdp_gpt::weights_file::write_atomically(&path, fsdp_harness::plot::svg(&charts).as_bytes())?;
     let json = serde_json::json!({"rank": 0, "step": s.first_step, "whole_model": whole.events, "layerwise": layerwise.events});
-    fsdp_gpt::checkpoint::write_atomically(&s.out.join("memory_timeline.json"), serde_json::to_string_pretty(&json)?.as_bytes())?;
+    fsdp_gpt::weights_file::write_atomically(
+        &s.out.join("memory_timeline.json"),
+        serde_json::to_string_pretty(&json)?.as_bytes(),
+    )?;
     let mut t = Table::new(["one step, rank 0", "measured peak heap", "events"]);
     t.row(["lesson 02 (whole model)".to_string(), mb_measured(peaks[0]), whole.events.len().to_string()]);
     t.row(["lesson 03 (layer-wise)".to_string(), mb_measured(peaks[1]), layerwise.events.len().to_string()]);

@@ -10,22 +10,23 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use fsdp_comm::{MicroBatchSum, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
-use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Precision, Unit};
-use fsdp_harness::checkpoint::{Resumed, ShardPiece};
+use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
+use fsdp_harness::checkpoint::ShardPiece;
+use fsdp_harness::{Moments, Start};
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
 pub fn unit_params(table: &ParamTable, n_layer: usize, blocks_per_unit: usize) -> Vec<(String, Vec<usize>)> {
-    let g = blocks_per_unit.max(1);
+    let per_unit = blocks_per_unit.max(1);
     let mut root: Vec<usize> = table.unit_params(Unit::Embedding).collect();
     root.extend(table.unit_params(Unit::FinalNorm));
     let mut units = vec![("root".to_string(), root)];
-    for first in (0..n_layer).step_by(g) {
-        let last = (first + g).min(n_layer) - 1;
+    for first in (0..n_layer).step_by(per_unit) {
+        let last = (first + per_unit).min(n_layer) - 1;
         let name = if first == last { format!("h.{first}") } else { format!("h.{first}-{last}") };
         let entries = (first..=last).flat_map(|b| table.unit_params(Unit::Block(b))).collect();
         units.push((name, entries));
@@ -34,50 +35,104 @@ pub fn unit_params(table: &ParamTable, n_layer: usize, blocks_per_unit: usize) -
 }
 // ANCHOR_END: unit_params
 
+/// How a unit holds its parameters, in PyTorch FSDP2's words (the
+/// arguments of `fully_shard` and its `MixedPrecisionPolicy`).
+#[derive(Debug, Clone, Copy)]
+pub struct UnitPolicy {
+    /// `true` (this lesson): the unsharded parameters are freed after every
+    /// use and all-gathered again for the next, so a unit is gathered twice
+    /// per step. `false`: they are not freed; here they stay unsharded from
+    /// step to step, refreshed by one all-gather right after the update
+    /// (what lesson 04's ZeRO-1 and ZeRO-2 do).
+    pub reshard_after_forward: bool,
+    /// The dtype the parameters are all-gathered and computed in (the
+    /// sharded master stays fp32): `F32` here, `BF16` under lesson 04's bf16.
+    pub param_dtype: DType,
+}
+
+impl Default for UnitPolicy {
+    fn default() -> Self {
+        Self { reshard_after_forward: true, param_dtype: DType::F32 }
+    }
+}
+
 /// One unit on one rank: everything about it is sharded between steps.
 pub struct FsdpUnit {
-    pub name: String,
+    name: String,
     /// Parameter-table entries, in the unit's flat order.
-    pub params: Vec<usize>,
+    params: Vec<usize>,
     /// Where each entry of `params` sits in the unit's flat vector.
-    pub ranges: Vec<Range<usize>>,
+    ranges: Vec<Range<usize>>,
     /// How many blocks the unit runs (0 for the root).
-    pub blocks: usize,
-    pub layout: ShardLayout,
+    blocks: usize,
+    layout: ShardLayout,
     /// My shard of the unit's fp32 weights (padding included).
-    pub master: Vec<f32>,
+    master: Vec<f32>,
     /// My shard of the unit's gradient, after the reduce-scatter.
-    pub grad: Vec<f32>,
+    grad: Vec<f32>,
     /// AdamW on my shard only: `m` and `v` are 1/N of the unit each.
     opt: AdamW,
-    /// The dtype the unit computes in; the all-gather moves this dtype.
-    pub precision: Precision,
-    /// A full compute copy kept between steps, when parameters are *not*
-    /// sharded (lesson 04's ZeRO stages 1 and 2); refreshed after each update.
-    pub resident: Option<Tensor>,
+    policy: UnitPolicy,
+    /// `reshard_after_forward: false`: the unsharded parameters, kept.
+    unsharded: Option<Tensor>,
 }
 
 impl FsdpUnit {
     /// Cuts my shard out of the unit's part of the initial weights `init`
     /// (the whole model's flat vector, the same on every rank).
-    pub fn new(table: &ParamTable, name: String, params: Vec<usize>, init: &[f32], rank: usize, world: usize, adamw: AdamWConfig, precision: Precision) -> Self {
+    pub fn new(
+        table: &ParamTable,
+        name: String,
+        params: Vec<usize>,
+        init: &[f32],
+        world: &World,
+        adamw: AdamWConfig,
+        policy: UnitPolicy,
+    ) -> candle_core::Result<Self> {
         let mut ranges = Vec::new();
         let mut len = 0;
         for &i in &params {
             ranges.push(len..len + table.specs[i].numel());
             len += table.specs[i].numel();
         }
-        let layout = ShardLayout::new(len, world);
-        let master = unit_shard(table, &params, init, layout, rank);
+        let layout = ShardLayout::new(len, world.size());
+        let master = unit_shard(table, &params, init, layout, world.rank());
         let blocks = params.len() / PARAMS_PER_BLOCK;
         let (grad, opt) = (vec![0.0; layout.shard_len], AdamW::new(adamw, layout.shard_len));
-        Self { name, params, ranges, blocks, layout, master, grad, opt, precision, resident: None }
+        let mut unit = Self { name, params, ranges, blocks, layout, master, grad, opt, policy, unsharded: None };
+        if !policy.reshard_after_forward {
+            unit.unsharded = Some(unit.gather(world)?);
+        }
+        Ok(unit)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Parameter-table entries, in the unit's flat order.
+    pub fn params(&self) -> &[usize] {
+        &self.params
+    }
+    /// Where each entry of `params` sits in the unit's flat vector.
+    pub fn ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+    /// How many blocks the unit runs (0 for the root).
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+    pub fn layout(&self) -> ShardLayout {
+        self.layout
+    }
+    /// Whether using the unit needs an all-gather (else its parameters are kept unsharded).
+    pub fn gathers(&self) -> bool {
+        self.policy.reshard_after_forward
     }
 
     // ANCHOR: restore
     /// `--resume`: my shard of the checkpoint's AdamW `m` and `v` (in model
     /// order, saved at any world size), cut exactly as the weights are.
-    pub fn restore_moments(&mut self, table: &ParamTable, r: &Resumed, rank: usize) {
+    pub fn restore_moments(&mut self, table: &ParamTable, r: &Moments, rank: usize) {
         self.opt.m = unit_shard(table, &self.params, &r.m, self.layout, rank);
         self.opt.v = unit_shard(table, &self.params, &r.v, self.layout, rank);
         self.opt.t = r.t;
@@ -95,28 +150,40 @@ impl FsdpUnit {
         }
     }
 
-    /// The unit's full weights in the compute dtype, as one flat tensor
-    /// (padded): the resident copy if there is one, else an all-gather.
-    pub fn weights(&self, w: &World) -> candle_core::Result<Tensor> {
-        match &self.resident {
+    /// FSDP2's *unshard*: the unit's full weights in the param dtype, as
+    /// one flat tensor (padded): an all-gather, or the kept copy when the
+    /// unit is not resharded.
+    pub fn unshard(&self, w: &World) -> candle_core::Result<Tensor> {
+        match &self.unsharded {
             Some(t) => Ok(t.clone()),
             None => self.gather(w),
         }
     }
 
     /// **all-gather** of the compute copy: every rank rounds its fp32 shard
-    /// to the compute dtype and sends that (2 bytes per element under bf16,
+    /// to the param dtype and sends that (2 bytes per element under bf16,
     /// half of fp32's). The result is freshly allocated; drop it to free it.
-    pub fn gather(&self, w: &World) -> candle_core::Result<Tensor> {
+    fn gather(&self, w: &World) -> candle_core::Result<Tensor> {
         Ok(self.gather_while(w, false, || ())?.1)
     }
 
     // ANCHOR: gather
     /// The same all-gather, overlapped with `work` when `overlap` is set
     /// (MPI's non-blocking all-gather; see `World::all_gather_overlapped`).
-    pub fn gather_while<R>(&self, w: &World, overlap: bool, work: impl FnOnce() -> R) -> candle_core::Result<(R, Tensor)> {
+    pub fn gather_while<R>(
+        &self,
+        w: &World,
+        overlap: bool,
+        work: impl FnOnce() -> R,
+    ) -> candle_core::Result<(R, Tensor)> {
         let n = self.layout.padded;
-        fn run<T: fsdp_comm::Equivalence + Copy, R>(w: &World, overlap: bool, mine: &[T], all: &mut [T], work: impl FnOnce() -> R) -> R {
+        fn run<T: fsdp_comm::Equivalence + Copy, R>(
+            w: &World,
+            overlap: bool,
+            mine: &[T],
+            all: &mut [T],
+            work: impl FnOnce() -> R,
+        ) -> R {
             if overlap {
                 w.all_gather_overlapped(mine, all, work)
             } else {
@@ -124,13 +191,14 @@ impl FsdpUnit {
                 work()
             }
         }
-        match self.precision {
-            Precision::Fp32 => {
+        match self.policy.param_dtype {
+            DType::F32 => {
                 let mut full = vec![0.0f32; n];
                 let r = run(w, overlap, &self.master, &mut full, work);
                 Ok((r, Tensor::from_vec(full, n, &Device::Cpu)?))
             }
-            Precision::Bf16 => {
+            _ => {
+                // bf16: the bits of each rounded fp32 element travel as u16.
                 let mut full = vec![0u16; n];
                 let r = run(w, overlap, &bf16_bits(&self.master), &mut full, work);
                 Ok((r, bf16_tensor(full)?))
@@ -153,13 +221,13 @@ impl FsdpUnit {
     }
 
     /// AdamW on my shard, with the gradient scaled by `inv` (1 / micro-batches);
-    /// a resident copy is then refreshed by an all-gather of the new weights.
+    /// a kept unsharded copy is then refreshed by an all-gather of the new weights.
     pub fn update(&mut self, w: &World, inv: f32) -> candle_core::Result<()> {
         self.grad.iter_mut().for_each(|g| *g *= inv);
         self.opt.step(&mut self.master, &self.grad);
-        if self.resident.is_some() {
-            self.resident = None; // free the old copy before the new one arrives
-            self.resident = Some(self.gather(w)?);
+        if self.unsharded.is_some() {
+            self.unsharded = None; // free the old copy before the new one arrives
+            self.unsharded = Some(self.gather(w)?);
         }
         Ok(())
     }
@@ -183,20 +251,25 @@ fn unit_shard(table: &ParamTable, params: &[usize], full: &[f32], layout: ShardL
     flat[layout.shard(rank).range()].to_vec()
 }
 
-/// Every unit of the model on this rank, root first.
-#[allow(clippy::too_many_arguments)]
+/// Every unit of the model on this rank, root first: my shard of each, cut
+/// from `start` (the seed's weights, or a checkpoint's with AdamW's moments).
 pub fn build_units(
     table: &ParamTable,
     n_layer: usize,
     blocks_per_unit: usize,
-    init: &[f32],
-    rank: usize,
-    world: usize,
+    start: &Start,
+    world: &World,
     adamw: AdamWConfig,
-    precision: Precision,
-) -> Vec<FsdpUnit> {
+    policy: UnitPolicy,
+) -> candle_core::Result<Vec<FsdpUnit>> {
     unit_params(table, n_layer, blocks_per_unit)
         .into_iter()
-        .map(|(name, params)| FsdpUnit::new(table, name, params, init, rank, world, adamw, precision))
+        .map(|(name, params)| {
+            let mut u = FsdpUnit::new(table, name, params, &start.weights, world, adamw, policy)?;
+            if let Some(m) = &start.moments {
+                u.restore_moments(table, m, world.rank());
+            }
+            Ok(u)
+        })
         .collect()
 }

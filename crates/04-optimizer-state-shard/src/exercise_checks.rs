@@ -17,7 +17,10 @@ fn exercise_4_1_the_16_bytes() {
             for (stage, _) in SCHEMES {
                 let yours = bytes_per_device(p, ranks, stage, 12.0);
                 let lesson = model_state_bytes(p, ranks, stage, 12.0);
-                assert!((yours - lesson).abs() <= 1e-6 * lesson, "{name} on {ranks} ranks, stage {stage}: {yours} vs {lesson}");
+                assert!(
+                    (yours - lesson).abs() <= 1e-6 * lesson,
+                    "{name} on {ranks} ranks, stage {stage}: {yours} vs {lesson}"
+                );
                 row.push(format!("{:.2}", yours / 1e9));
             }
             t.row(row);
@@ -37,11 +40,18 @@ fn exercise_4_2_how_many_gpus() {
             // Check against the formula: n fits, n − 1 does not.
             if let Some(n) = n {
                 assert!(model_state_bytes(p, n, stage, 12.0) <= device, "{name} stage {stage}: {n} ranks do not fit");
-                assert!(n == 1 || model_state_bytes(p, n - 1, stage, 12.0) > device, "{name} stage {stage}: {} ranks already fit", n - 1);
+                assert!(
+                    n == 1 || model_state_bytes(p, n - 1, stage, 12.0) > device,
+                    "{name} stage {stage}: {} ranks already fit",
+                    n - 1
+                );
             } else {
-                assert!(model_state_bytes(p, 1 << 40, stage, 12.0) > device, "{name} stage {stage}: enough ranks do fit");
+                assert!(
+                    model_state_bytes(p, 1 << 40, stage, 12.0) > device,
+                    "{name} stage {stage}: enough ranks do fit"
+                );
             }
-            row.push(n.map_or("never".to_string(), |n| thousands(n)));
+            row.push(n.map_or("never".to_string(), thousands));
         }
         t.row(row);
     }
@@ -51,8 +61,21 @@ fn exercise_4_2_how_many_gpus() {
 #[test]
 fn exercise_4_3_round_to_bf16() {
     let mut rng = SplitMix64::new(43);
-    let mut xs: Vec<f32> = (0..100_000).map(|_| (rng.normal() * 10f64.powi((rng.below(20) as i32) - 10)) as f32).collect();
-    xs.extend([0.0, -0.0, 1.0, 1.00390625, 1.01171875, f32::MAX, f32::MIN_POSITIVE, 1e-45, f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+    let mut xs: Vec<f32> =
+        (0..100_000).map(|_| (rng.normal() * 10f64.powi((rng.below(20) as i32) - 10)) as f32).collect();
+    xs.extend([
+        0.0,
+        -0.0,
+        1.0,
+        1.003_906_3,
+        1.011_718_8,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-45,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ]);
     let mut ties = 0;
     let mut truncation_differs = 0;
     for &x in &xs {

@@ -8,21 +8,24 @@
 //! just tally 7B 64                     # the same accounting at any scale
 //! just fits                            # data parallel runs out of memory; ZeRO-3 trains
 //! ```
-#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
-mod exercises;
 #[cfg(test)]
 mod exercise_checks;
+#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
+mod exercises;
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
-use fsdp_harness::{Lesson, MemoryTimeline, Report, Run, Session, TrainArgs};
+use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs};
 use step04_optimizer_state_shard::OptimizerStateShard;
 use step04_optimizer_state_shard::zero::{Shapes, side_by_side, tally};
 
-const LESSON: Lesson = Lesson { package: "step04-optimizer-state-shard", title: "optimizer-state shard: ZeRO stages 1, 2, 3 in mixed precision" };
+const LESSON: Lesson = Lesson {
+    package: "step04-optimizer-state-shard",
+    title: "optimizer-state shard: ZeRO stages 1, 2, 3 in mixed precision",
+};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -51,20 +54,21 @@ fn main() -> ExitCode {
     fsdp_harness::main(LESSON, |world, lesson| {
         let args: Args = fsdp_harness::parse_args(lesson)?;
         // The stage does not change the arithmetic (a ZeRO-1 checkpoint resumes at ZeRO-3); the precision does.
-        let s = Session::with_flags(world, lesson, args.train, &[("--precision", args.precision.to_string())])?;
+        let (s, start) =
+            Session::with_flags(world, lesson, args.train, &[("--precision", args.precision.to_string())])?;
         s.print_config(&[
             ("ZeRO stage", STAGES[args.stage as usize - 1].to_string()),
-            ("precision", format!("{}: compute copy and grads; fp32 master, gradient sums, AdamW m and v", args.precision)),
+            (
+                "precision",
+                format!("{}: compute copy and grads; fp32 master, gradient sums, AdamW m and v", args.precision),
+            ),
             ("gradient reduce dtype", "fp32, summed in rank order".to_string()),
             ("prefetch", if args.prefetch && args.stage == 3 { "on".into() } else { "off".into() }),
         ]);
-        fsdp_harness::edge::mark_setup_done();
 
-        let mut zero = OptimizerStateShard::new(&s, args.stage, args.precision, args.prefetch)?;
-        s.forget_resumed();
+        let mut zero = OptimizerStateShard::new(&s, start, args.stage, args.precision, args.prefetch)?;
         world.reset_traffic(); // stages 1–2 gathered their resident copies: setup, not a step
-        let mut run = Run::start(&s);
-        s.check_memory_budget(s.first_step - 1)?; // does the state alone fit the budget?
+        let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         for step in s.steps() {
             let loss = zero.step(&s, step, &mut MemoryTimeline::off())?;
             s.end_step(step, &mut run, loss, || zero.fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
@@ -74,13 +78,13 @@ fn main() -> ExitCode {
         let full = zero.fsdp.gather_full(&s);
 
         let units = &zero.fsdp.units;
-        let largest = units.iter().max_by_key(|u| u.layout.numel).expect("units");
+        let largest = units.iter().max_by_key(|u| u.layout().numel).expect("units");
         let shapes = Shapes {
             numel: s.table.numel(),
-            padded: units.iter().map(|u| u.layout.padded).sum(),
-            shards: units.iter().map(|u| u.layout.shard_len).sum(),
-            largest: largest.layout.numel,
-            largest_padded: largest.layout.padded,
+            padded: units.iter().map(|u| u.layout().padded).sum(),
+            shards: units.iter().map(|u| u.layout().shard_len).sum(),
+            largest: largest.layout().numel,
+            largest_padded: largest.layout().padded,
             ranks: world.size(),
             compute_bytes: args.precision.bytes(),
             prefetch: zero.fsdp.prefetch,
@@ -90,17 +94,28 @@ fn main() -> ExitCode {
         // Bytes on the wire: every gather moves the compute dtype, every
         // reduce-scatter fp32; stage 3 gathers each unit twice, stages 1–2
         // once (the new weights after the update).
-        let sent = |bytes: usize| -> u64 { units.iter().map(|u| ((world.size() - 1) * u.layout.shard_len * bytes) as u64).sum() };
+        let sent = |bytes: usize| -> u64 {
+            units.iter().map(|u| ((world.size() - 1) * u.layout().shard_len * bytes) as u64).sum()
+        };
         let gathers = if args.stage == 3 { 2 } else { 1 };
         let mut report = Report::new(&s, &run, tally(args.stage, shapes));
         report
             .traffic(training_traffic)
-            .table(format!("ZeRO side by side: {} parameters on {} rank(s), {} compute\n{}", fsdp_harness::table::thousands(shapes.numel as u64), world.size(), args.precision, side_by_side(shapes, 12.0).render()))
+            .table(format!(
+                "ZeRO side by side: {} parameters on {} rank(s), {} compute\n{}",
+                fsdp_harness::table::thousands(shapes.numel as u64),
+                world.size(),
+                args.precision,
+                side_by_side(shapes, 12.0).render()
+            ))
             .expect_traffic(Collective::AllGather, gathers * sent(args.precision.bytes()))
             .expect_traffic(Collective::ReduceScatter, s.sum_groups.per_rank() as u64 * sent(4))
             .json("stage", serde_json::json!(args.stage))
             .json("precision", serde_json::json!(args.precision.to_string()))
-            .json("side_by_side_bytes", serde_json::json!([0u8, 1, 2, 3].iter().map(|&st| tally(st, shapes).total_bytes()).collect::<Vec<_>>()));
+            .json(
+                "side_by_side_bytes",
+                serde_json::json!([0u8, 1, 2, 3].iter().map(|&st| tally(st, shapes).total_bytes()).collect::<Vec<_>>()),
+            );
         report.finish(Some(&full))
     })
 }

@@ -12,17 +12,17 @@
 //! | 3 | + parameters | lesson 03: every unit gathered just in time (in bf16: half the bytes), freed after use |
 //!
 //! The stages share everything but *where the compute copy lives*: stages 1
-//! and 2 keep each unit's copy resident ([`FsdpUnit::resident`]), stage 3
-//! gathers it. Stages 2 and 3 are lesson 03's [`LayerwiseShard`], reused;
+//! and 2 keep each unit's copy unsharded between steps (FSDP2's
+//! `reshard_after_forward=False`, see [`UnitPolicy`]), stage 3 gathers it. Stages 2 and 3 are lesson 03's [`LayerwiseShard`], reused;
 //! stage 1 is the whole-graph step below. All three give lesson 01's weights
 //! under the same precision, bit for bit.
 use candle_core::Var;
 use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::model::add_grads;
-use fsdp_harness::{MemoryTimeline, Session};
+use fsdp_harness::{MemoryTimeline, Session, Start};
 use step03_layerwise_shard::LayerwiseShard;
-use step03_layerwise_shard::units::{FsdpUnit, build_units};
+use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units};
 
 /// One rank's share of the training state at ZeRO stage `stage`.
 pub struct OptimizerStateShard {
@@ -33,18 +33,12 @@ pub struct OptimizerStateShard {
 
 impl OptimizerStateShard {
     // ANCHOR: new
-    pub fn new(s: &Session, stage: u8, precision: Precision, prefetch: bool) -> anyhow::Result<Self> {
-        let (w, init) = (s.world, s.start_weights()); // the seed's, or the checkpoint's under --resume
-        let mut units = build_units(&s.table, s.cfg.n_layer, 1, &init, w.rank(), w.size(), s.adamw, precision);
-        if let Some(r) = &*s.resumed.borrow() {
-            units.iter_mut().for_each(|u| u.restore_moments(&s.table, r, w.rank()));
-        }
-        if stage < 3 {
-            // Parameters replicated: every rank keeps the whole compute copy.
-            for u in &mut units {
-                u.resident = Some(u.gather(w)?);
-            }
-        }
+    pub fn new(s: &Session, start: Start, stage: u8, precision: Precision, prefetch: bool) -> anyhow::Result<Self> {
+        // Stages 1 and 2 keep each unit's compute copy unsharded from step to
+        // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
+        let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype() };
+        let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
+        drop(start); // my shards are cut: the whole start state goes
         Ok(Self { stage, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3 } })
     }
     // ANCHOR_END: new
@@ -59,20 +53,24 @@ impl OptimizerStateShard {
 }
 
 // ANCHOR: stage1
+// ANCHOR: step
 /// ZeRO-1: forward/backward through the whole replicated compute copy,
 /// reduce-scatter the gradient, update my shard, all-gather the new weights.
 fn whole_model_step(units: &mut [FsdpUnit], s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
     let w = s.world;
     // The resident compute copy as candle Vars, per unit and in model order.
-    let per_unit: Vec<Vec<Var>> =
-        units.iter().map(|u| Ok(s.model.vars_from_tensor(&s.table, &u.params, &u.weights(w)?)?)).collect::<anyhow::Result<_>>()?;
-    let mut in_order: Vec<(usize, Var)> = units.iter().zip(&per_unit).flat_map(|(u, vs)| u.params.iter().copied().zip(vs.iter().cloned())).collect();
+    let per_unit: Vec<Vec<Var>> = units
+        .iter()
+        .map(|u| Ok(s.model.vars_from_tensor(&s.table, u.params(), &u.unshard(w)?)?))
+        .collect::<anyhow::Result<_>>()?;
+    let mut in_order: Vec<(usize, Var)> =
+        units.iter().zip(&per_unit).flat_map(|(u, vs)| u.params().iter().copied().zip(vs.iter().cloned())).collect();
     in_order.sort_by_key(|(i, _)| *i);
     let vars: Vec<Var> = in_order.into_iter().map(|(_, v)| v).collect();
     tl.mark("compute copy as candle Vars");
 
     // 1. forward/backward on my micro-batches: the *whole* gradient, summed in fp32
-    let mut sums: Vec<MicroBatchSum> = units.iter().map(|u| s.grad_sum(u.layout.padded)).collect(); // one per unit
+    let mut sums: Vec<MicroBatchSum> = units.iter().map(|u| s.grad_sum(u.layout().padded)).collect(); // one per unit
     let mut loss_sum = 0.0;
     for k in s.my_micro_batches() {
         let (loss, grads) = s.forward_backward(&vars, step, k)?;
@@ -99,4 +97,5 @@ fn whole_model_step(units: &mut [FsdpUnit], s: &Session, step: u64, tl: &mut Mem
     tl.mark("AdamW on my shard, all-gather the new weights");
     Ok((w.sum_f64(&[loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
 }
+// ANCHOR_END: step
 // ANCHOR_END: stage1

@@ -15,10 +15,10 @@ pub const SCHEMES: [(u8, &str); 4] = [(0, "data parallel"), (1, "ZeRO-1"), (2, "
 pub fn model_state_bytes(params: f64, ranks: u64, stage: u8, k: f64) -> f64 {
     let n = ranks as f64;
     match stage {
-        0 => (2.0 + 2.0 + k) * params,           // everything replicated
+        0 => (2.0 + 2.0 + k) * params,                     // everything replicated
         1 => 2.0 * params + 2.0 * params + k * params / n, // optimizer state sharded
-        2 => 2.0 * params + (2.0 + k) * params / n, // + gradients
-        _ => (2.0 + 2.0 + k) * params / n,         // + parameters
+        2 => 2.0 * params + (2.0 + k) * params / n,        // + gradients
+        _ => (2.0 + 2.0 + k) * params / n,                 // + parameters
     }
 }
 // ANCHOR_END: formula
@@ -73,7 +73,12 @@ pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
         .add("grad shard (fp32)", sh.shards, 4, &share);
     // Where the compute copy lives: resident (stages 1, 2) or gathered per unit (3).
     match stage {
-        1 | 2 => t.add(&format!("compute copy, resident ({cdt})"), sh.padded, c, "whole model, all-gathered after each update"),
+        1 | 2 => t.add(
+            &format!("compute copy, resident ({cdt})"),
+            sh.padded,
+            c,
+            "whole model, all-gathered after each update",
+        ),
         _ => t.add(&format!("gathered unit ({cdt})"), sh.largest_padded, c, "all-gather output, freed once copied"),
     };
     // What backward holds: the whole model's (stage 1) or one unit's (2, 3).
@@ -85,14 +90,24 @@ pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
         _ => t
             .add(&format!("unit as candle Vars ({cdt})"), sh.largest, c, "largest unit, freed after use")
             .add(&format!("unit grads of one micro-batch ({cdt})"), sh.largest, c, "largest unit, freed after use")
-            .add("unit grad sum (fp32)", sh.sum_buffers * sh.largest_padded, 4, "reduce-scattered as soon as the unit is done"),
+            .add(
+                "unit grad sum (fp32)",
+                sh.sum_buffers * sh.largest_padded,
+                4,
+                "reduce-scattered as soon as the unit is done",
+            ),
     };
     if stage == 3 && sh.prefetch {
         t.add(&format!("next unit, prefetched ({cdt})"), sh.largest_padded, c, "--prefetch");
     }
     if n > 1 {
-        let g = sh.sum_groups; // more than one sum: packed per destination, then received
-        t.add("comm buffers", g * sh.largest_padded + if g > 1 { g * sh.largest_padded } else { 0 }, 4, "reduce-scatter's all-to-all receive, largest unit");
+        let groups = sh.sum_groups; // more than one sum: packed per destination, then received
+        t.add(
+            "comm buffers",
+            groups * sh.largest_padded + if groups > 1 { groups * sh.largest_padded } else { 0 },
+            4,
+            "reduce-scatter's all-to-all receive, largest unit",
+        );
     }
     t
 }
@@ -111,11 +126,21 @@ pub fn side_by_side(sh: Shapes, k: f64) -> Table {
     };
     row(&mut t, "fp32 master + AdamW m, v", by(&|c| c.contains("master") || c.starts_with("AdamW")));
     row(&mut t, "gradients (compute + fp32 sums, shard)", by(&|c| c.contains("grad")));
-    row(&mut t, "compute copy of the weights", by(&|c| c.contains("compute copy") || c.contains("unit as") || c.contains("gathered unit") || c.contains("prefetched")));
+    row(
+        &mut t,
+        "compute copy of the weights",
+        by(&|c| {
+            c.contains("compute copy")
+                || c.contains("unit as")
+                || c.contains("gathered unit")
+                || c.contains("prefetched")
+        }),
+    );
     row(&mut t, "comm buffers", by(&|c| c == "comm buffers"));
     t.separator();
     row(&mut t, "total, from shapes", tallies.iter().map(|t| mb(t.total_bytes())).collect());
-    let paper = SCHEMES.iter().map(|&(st, _)| mb(model_state_bytes(sh.numel as f64, sh.ranks as u64, st, k) as u64)).collect();
+    let paper =
+        SCHEMES.iter().map(|&(st, _)| mb(model_state_bytes(sh.numel as f64, sh.ranks as u64, st, k) as u64)).collect();
     row(&mut t, &format!("ZeRO paper, K = {k}: 2+2+K bytes/param"), paper);
     t
 }

@@ -93,7 +93,10 @@ fn run(a: &Args) -> anyhow::Result<()> {
         for &n in &a.ranks {
             for &(lesson, package, extra) in &LESSONS {
                 let name = format!("{}-{preset}-{n}", package.trim_start_matches("step"));
-                let name = format!("{name}{}", extra.iter().filter(|x| x.len() == 1).map(|s| format!("-s{s}")).collect::<String>());
+                let name = format!(
+                    "{name}{}",
+                    extra.iter().filter(|x| x.len() == 1).map(|s| format!("-s{s}")).collect::<String>()
+                );
                 let dir = a.out.join("runs").join(&name);
                 let (b, t) = shape(preset);
                 let steps = (a.warmup + a.steps).to_string();
@@ -101,7 +104,20 @@ fn run(a: &Args) -> anyhow::Result<()> {
                 let mut cmd = Command::new("mpirun");
                 cmd.args(["-q", "--oversubscribe", "-n", &n.to_string()])
                     .arg(bin.join(package))
-                    .args(["--preset", preset, "--batch-size", b, "--seq-len", t, "--micro-batches", &micro, "--steps", &steps, "--log-every", "100000"])
+                    .args([
+                        "--preset",
+                        preset,
+                        "--batch-size",
+                        b,
+                        "--seq-len",
+                        t,
+                        "--micro-batches",
+                        &micro,
+                        "--steps",
+                        &steps,
+                        "--log-every",
+                        "100000",
+                    ])
                     .args(extra)
                     .arg("--out")
                     .arg(&dir)
@@ -113,7 +129,12 @@ fn run(a: &Args) -> anyhow::Result<()> {
                 anyhow::ensure!(o.status.success(), "{name} failed: {}", String::from_utf8_lossy(&o.stderr));
                 let r: Value = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)?;
                 let row = row_of(lesson, preset, n, &r, a.warmup)?;
-                println!("{lesson:<22} {preset:<5} N={n}  {:>8.1} ms/step  {:>7.0} tok/s   ({:.0} s)", row.ms_per_step, row.tokens_per_s, t0.elapsed().as_secs_f64());
+                println!(
+                    "{lesson:<22} {preset:<5} N={n}  {:>8.1} ms/step  {:>7.0} tok/s   ({:.0} s)",
+                    row.ms_per_step,
+                    row.tokens_per_s,
+                    t0.elapsed().as_secs_f64()
+                );
                 rows.push(row);
             }
         }
@@ -129,7 +150,11 @@ fn run(a: &Args) -> anyhow::Result<()> {
             "peak_rss_bytes": r.rss, "flops_per_step": r.flops_per_step})).collect::<Vec<_>>(),
     });
     std::fs::write(a.out.join("bench.json"), serde_json::to_string_pretty(&j)?)?;
-    println!("wrote {0}/bench.md, {0}/bench.json, {0}/tokens_per_second.svg, {0}/memory_per_rank.svg in {1:.0} s", a.out.display(), started.elapsed().as_secs_f64());
+    println!(
+        "wrote {0}/bench.md, {0}/bench.json, {0}/tokens_per_second.svg, {0}/memory_per_rank.svg in {1:.0} s",
+        a.out.display(),
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -163,7 +188,8 @@ fn row_of(lesson: &'static str, preset: &str, ranks: usize, r: &Value, warmup: u
     let steps = f(&r["steps"]).max(1.0);
     let tokens = f(&r["tokens_per_step"]);
     let traffic = r["traffic"].as_object().cloned().unwrap_or_default();
-    let comm: f64 = traffic.iter().filter(|(k, _)| k.as_str() != "control").map(|(_, v)| f(&v["seconds"])).sum::<f64>() / steps;
+    let comm: f64 =
+        traffic.iter().filter(|(k, _)| k.as_str() != "control").map(|(_, v)| f(&v["seconds"])).sum::<f64>() / steps;
     let expected = r["expected_bytes_per_step"].as_object().cloned().unwrap_or_default();
     let bytes = traffic
         .iter()
@@ -255,14 +281,20 @@ fn plots(rows: &[Row], out: &Path) -> anyhow::Result<()> {
             .map(|(i, (lesson, _, _))| Series {
                 name: lesson.to_string(),
                 color: colors[i],
-                points: rows.iter().filter(|r| r.lesson == *lesson && r.preset == preset).map(|r| (r.ranks as f64, pick(r))).collect(),
+                points: rows
+                    .iter()
+                    .filter(|r| r.lesson == *lesson && r.preset == preset)
+                    .map(|r| (r.ranks as f64, pick(r)))
+                    .collect(),
                 dashed: i >= 3,
             })
             .collect(),
         y_range: None,
     };
-    let tps: Vec<Chart> = presets.iter().map(|p| chart("tokens/s, all ranks", "tokens / s", &|r| r.tokens_per_s, p)).collect();
-    let mem: Vec<Chart> = presets.iter().map(|p| chart("peak heap per rank", "MB", &|r| r.peak_heap as f64 / 1e6, p)).collect();
+    let tps: Vec<Chart> =
+        presets.iter().map(|p| chart("tokens/s, all ranks", "tokens / s", &|r| r.tokens_per_s, p)).collect();
+    let mem: Vec<Chart> =
+        presets.iter().map(|p| chart("peak heap per rank", "MB", &|r| r.peak_heap as f64 / 1e6, p)).collect();
     std::fs::write(out.join("tokens_per_second.svg"), svg(&tps))?;
     std::fs::write(out.join("memory_per_rank.svg"), svg(&mem))?;
     Ok(())

@@ -4,7 +4,7 @@
 //! apart from the algorithms (as picotron keeps `*_communications.py` apart):
 //!
 //! - [`World`]: the MPI world (rank, size) and the collectives —
-//!   `all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `barrier`;
+//!   `all_gather` (also overlapped with compute), `reduce_scatter`, `all_reduce`;
 //!   `World::init` works without mpirun too (a world of one).
 //! - **Ordered reductions** ([`reduce`]): every gradient sum is formed as one
 //!   fixed pairwise tree over the step's micro-batches ([`MicroBatchSum`] on
@@ -31,8 +31,8 @@ pub mod traffic;
 pub mod world;
 
 pub use layout::{ShardInfo, ShardLayout};
+/// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
+pub use mpi::traits::Equivalence;
 pub use reduce::{MicroBatchSum, SumGroups, nan_max, sum_pairwise};
 pub use traffic::{Collective, Traffic, TrafficStats};
 pub use world::{CommError, World, abort_job};
-/// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
-pub use mpi::traits::Equivalence;

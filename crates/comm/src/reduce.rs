@@ -64,11 +64,15 @@ pub struct SumGroups {
 impl SumGroups {
     /// Checks N | G | M; the error names the fix.
     pub fn new(groups: usize, micro_batches: usize, world: usize) -> Result<Self, String> {
-        if groups == 0 || micro_batches % groups != 0 {
-            return Err(format!("--sum-groups {groups} must divide --micro-batches {micro_batches}: pass a divisor of {micro_batches}"));
+        if groups == 0 || !micro_batches.is_multiple_of(groups) {
+            return Err(format!(
+                "--sum-groups {groups} must divide --micro-batches {micro_batches}: pass a divisor of {micro_batches}"
+            ));
         }
-        if groups % world != 0 {
-            return Err(format!("--sum-groups {groups} does not split among {world} ranks: pass a multiple of {world} that divides {micro_batches}"));
+        if !groups.is_multiple_of(world) {
+            return Err(format!(
+                "--sum-groups {groups} does not split among {world} ranks: pass a multiple of {world} that divides {micro_batches}"
+            ));
         }
         Ok(Self { groups, micro_batches, world })
     }
@@ -144,7 +148,11 @@ fn group_tree(len: usize) -> HashSet<Range<usize>> {
 
 /// While the top two entries of `stack` are the two children of one tree
 /// node, replaces them by that node, `merge(left, right)` forming its value.
-fn merge_siblings<T>(nodes: &HashSet<Range<usize>>, stack: &mut Vec<(Range<usize>, T)>, mut merge: impl FnMut(&mut T, T)) {
+fn merge_siblings<T>(
+    nodes: &HashSet<Range<usize>>,
+    stack: &mut Vec<(Range<usize>, T)>,
+    mut merge: impl FnMut(&mut T, T),
+) {
     while stack.len() >= 2 {
         let n = stack.len();
         let joined = stack[n - 2].0.start..stack[n - 1].0.end;
@@ -218,7 +226,7 @@ impl MicroBatchSum {
 
     /// Empties the sum for the next step, keeping its buffers.
     pub fn reset(&mut self) {
-        self.spare.extend(self.sums.drain(..));
+        self.spare.append(&mut self.sums);
         self.spare.extend(self.stack.drain(..).map(|(_, b)| b));
         self.added = 0;
     }
@@ -241,7 +249,13 @@ mod tests {
     /// M values whose sum depends on the order of the additions: their
     /// magnitudes span seven decades, so most partial sums round.
     fn values(m: usize) -> Vec<f32> {
-        (0..m).map(|i| (1.0 + ((i * 7919) % 13) as f32 * 0.1) * 10f32.powi((i % 7) as i32 - 3) * if i % 2 == 0 { 1.0 } else { -0.7 }).collect()
+        (0..m)
+            .map(|i| {
+                (1.0 + ((i * 7919) % 13) as f32 * 0.1)
+                    * 10f32.powi((i % 7) as i32 - 3)
+                    * if i % 2 == 0 { 1.0 } else { -0.7 }
+            })
+            .collect()
     }
 
     /// What N ranks compute for one element: each rank's groups through a
@@ -296,12 +310,15 @@ mod tests {
             assert_eq!(as_ranks_would(&v, 12, n).to_bits(), as_ranks_would(&v, 12, 1).to_bits(), "world {n}");
         }
         assert_eq!(as_ranks_would(&v, 4, 2), as_ranks_would(&v, 4, 4));
-        assert!(SumGroups::new(4, 12, 3).is_err() && SumGroups::new(5, 12, 1).is_err() && SumGroups::new(0, 12, 1).is_err());
+        assert!(
+            SumGroups::new(4, 12, 3).is_err() && SumGroups::new(5, 12, 1).is_err() && SumGroups::new(0, 12, 1).is_err()
+        );
     }
 
     #[test]
     fn the_stack_stays_logarithmic_and_buffers_says_how_deep() {
-        for (m, g, n, most) in [(1, 1, 1, 1), (2, 1, 1, 2), (4, 1, 1, 3), (24, 2, 2, 5), (24, 12, 1, 13), (8, 8, 8, 1)] {
+        for (m, g, n, most) in [(1, 1, 1, 1), (2, 1, 1, 2), (4, 1, 1, 3), (24, 2, 2, 5), (24, 12, 1, 13), (8, 8, 8, 1)]
+        {
             let plan = SumGroups::new(g, m, n).unwrap();
             assert_eq!(plan.buffers(), most, "M {m}, G {g}, N {n}");
             let mut s = MicroBatchSum::new(plan, 3);

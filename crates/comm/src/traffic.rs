@@ -11,21 +11,18 @@ pub enum Collective {
     AllGather,
     ReduceScatter,
     AllReduce,
-    Broadcast,
     /// Small control messages: loss averages, digests, error agreement.
     Control,
 }
 
 impl Collective {
-    pub const ALL: [Collective; 5] =
-        [Self::AllGather, Self::ReduceScatter, Self::AllReduce, Self::Broadcast, Self::Control];
+    pub const ALL: [Collective; 4] = [Self::AllGather, Self::ReduceScatter, Self::AllReduce, Self::Control];
 
     pub fn name(&self) -> &'static str {
         match self {
             Self::AllGather => "all_gather",
             Self::ReduceScatter => "reduce_scatter",
             Self::AllReduce => "all_reduce",
-            Self::Broadcast => "broadcast",
             Self::Control => "control",
         }
     }

@@ -94,7 +94,12 @@ impl World {
     /// flight, then waits for it. `work` cannot touch `all` (the borrow checker
     /// sees to it) and must not call collectives itself. The seconds recorded
     /// are the *exposed* ones: the wait after `work`, not the whole flight.
-    pub fn all_gather_overlapped<T: Equivalence + Copy, R>(&self, mine: &[T], all: &mut [T], work: impl FnOnce() -> R) -> R {
+    pub fn all_gather_overlapped<T: Equivalence + Copy, R>(
+        &self,
+        mine: &[T],
+        all: &mut [T],
+        work: impl FnOnce() -> R,
+    ) -> R {
         assert_eq!(all.len(), mine.len() * self.size, "all_gather: output must hold N shards");
         let bytes = (self.size - 1) * std::mem::size_of_val(mine);
         if self.size == 1 {
@@ -161,7 +166,10 @@ impl World {
 
     fn reduce_scatter_groups_untimed(&self, groups: &[Vec<f32>], mine: &mut [f32]) {
         let (k, n) = (groups.len(), mine.len());
-        assert!(groups.iter().all(|g| g.len() == n * self.size), "reduce_scatter_groups: each group must hold N shards");
+        assert!(
+            groups.iter().all(|g| g.len() == n * self.size),
+            "reduce_scatter_groups: each group must hold N shards"
+        );
         // Send buffer laid out [destination rank][my group][shard]: rank j
         // receives [source rank][its group][shard j], i.e. global group order.
         let mut send = Vec::with_capacity(k * n * self.size);
@@ -232,21 +240,6 @@ impl World {
         });
     }
 
-    /// **broadcast** `buf` from `root` to every rank.
-    pub fn broadcast<T: Equivalence>(&self, buf: &mut [T], root: usize) {
-        let bytes = if self.rank == root { (self.size - 1) * std::mem::size_of_val(buf) } else { 0 };
-        let recv = if self.rank == root { 0 } else { std::mem::size_of_val(buf) };
-        self.timed(Collective::Broadcast, bytes, recv, || {
-            if self.size > 1 {
-                self.comm.process_at_rank(root as i32).broadcast_into(buf);
-            }
-        });
-    }
-
-    pub fn barrier(&self) {
-        self.timed(Collective::Control, 0, 0, || self.comm.barrier());
-    }
-
     /// Sum of a few `f64` control values (losses, counters) in rank order.
     pub fn sum_f64(&self, values: &[f64]) -> Vec<f64> {
         let all = self.gather_control(values);
@@ -269,12 +262,6 @@ impl World {
             }
         });
         all
-    }
-
-    /// True on every rank iff `ok` is true on every rank: lets all ranks stop
-    /// together, cleanly, when any of them hit a problem.
-    pub fn all_ok(&self, ok: bool) -> bool {
-        self.gather_control(&[ok as u8]).iter().all(|&x| x == 1)
     }
 
     /// Ends every rank of the job at once with `code` (`MPI_Abort`): for a

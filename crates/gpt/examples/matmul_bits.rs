@@ -9,7 +9,9 @@ use fsdp_gpt::rng::SplitMix64;
 
 fn main() -> candle_core::Result<()> {
     let mut rng = SplitMix64::new(7);
-    let mut random = |r: usize, c: usize| Tensor::from_vec((0..r * c).map(|_| rng.normal() as f32).collect::<Vec<_>>(), (r, c), &Device::Cpu);
+    let mut random = |r: usize, c: usize| {
+        Tensor::from_vec((0..r * c).map(|_| rng.normal() as f32).collect::<Vec<_>>(), (r, c), &Device::Cpu)
+    };
     let (a, b) = (random(512, 1536)?, random(1536, 384)?);
     let bits = |t: Tensor| -> candle_core::Result<u64> { Ok(digest_f32(&t.flatten_all()?.to_vec1::<f32>()?)) };
     println!("candle {:016x}", bits(a.matmul(&b)?)?);

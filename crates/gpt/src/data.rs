@@ -45,7 +45,8 @@ impl Corpus {
     /// Reads a UTF-8 text file; every distinct character becomes a token.
     pub fn from_file(path: &str) -> Result<Self> {
         let err = |reason: String| GptError::Data { path: path.to_string(), reason };
-        let bytes = std::fs::read(path).map_err(|e| err(format!("cannot read it ({e}); pass --data with a readable text file")))?;
+        let bytes = std::fs::read(path)
+            .map_err(|e| err(format!("cannot read it ({e}); pass --data with a readable text file")))?;
         let text = String::from_utf8(bytes).map_err(|e| {
             err(format!("not UTF-8 (invalid byte at offset {}); pass a UTF-8 text file", e.utf8_error().valid_up_to()))
         })?;
@@ -54,7 +55,10 @@ impl Corpus {
 
     pub fn from_text(source: &str, text: &str) -> Result<Self> {
         if text.is_empty() {
-            return Err(GptError::Data { path: source.into(), reason: "is empty; pass a text file with some content".into() });
+            return Err(GptError::Data {
+                path: source.into(),
+                reason: "is empty; pass a text file with some content".into(),
+            });
         }
         let mut vocab: Vec<char> = text.chars().collect();
         vocab.sort_unstable();
@@ -158,25 +162,69 @@ impl Sampler {
 /// followed by a colon, a closed set of words, sentence shapes, punctuation.
 fn generate_play(min_len: usize) -> String {
     const NAMES: [&str; 12] = [
-        "KING HENRY", "QUEEN", "DUKE VINCENTIO", "LADY MACBETH", "JULIET", "FALSTAFF",
-        "ROSALIND", "OBERON", "PROSPERO", "OPHELIA", "BRUTUS", "PUCK",
+        "KING HENRY",
+        "QUEEN",
+        "DUKE VINCENTIO",
+        "LADY MACBETH",
+        "JULIET",
+        "FALSTAFF",
+        "ROSALIND",
+        "OBERON",
+        "PROSPERO",
+        "OPHELIA",
+        "BRUTUS",
+        "PUCK",
     ];
     const SUBJECTS: [&str; 14] = [
-        "the king", "my lord", "thy father", "the queen", "this night", "our fortune", "a jester",
-        "the quiet sky", "your majesty", "the zealous knave", "his jewel", "the old oxen",
-        "my gentle friend", "the wax of love",
+        "the king",
+        "my lord",
+        "thy father",
+        "the queen",
+        "this night",
+        "our fortune",
+        "a jester",
+        "the quiet sky",
+        "your majesty",
+        "the zealous knave",
+        "his jewel",
+        "the old oxen",
+        "my gentle friend",
+        "the wax of love",
     ];
     const VERBS: [&str; 14] = [
-        "doth love", "shall keep", "hath seen", "will betray", "must follow", "cannot quit",
-        "did vex", "would praise", "may judge", "dost fear", "hath kissed", "shall wake",
-        "will mend", "doth query",
+        "doth love",
+        "shall keep",
+        "hath seen",
+        "will betray",
+        "must follow",
+        "cannot quit",
+        "did vex",
+        "would praise",
+        "may judge",
+        "dost fear",
+        "hath kissed",
+        "shall wake",
+        "will mend",
+        "doth query",
     ];
     const OBJECTS: [&str; 14] = [
-        "the crown", "my heart", "thy sweet words", "the golden field", "a quarrel", "the dark wood",
-        "our honour", "the frozen lake", "a noble cause", "her velvet glove", "the brave army",
-        "my joy", "the lazy hours", "this lonely grave",
+        "the crown",
+        "my heart",
+        "thy sweet words",
+        "the golden field",
+        "a quarrel",
+        "the dark wood",
+        "our honour",
+        "the frozen lake",
+        "a noble cause",
+        "her velvet glove",
+        "the brave army",
+        "my joy",
+        "the lazy hours",
+        "this lonely grave",
     ];
-    const ENDINGS: [&str; 8] = ["", " to-morrow", " in faith", " for ever", " and more", " tonight", " no more", " once"];
+    const ENDINGS: [&str; 8] =
+        ["", " to-morrow", " in faith", " for ever", " and more", " tonight", " no more", " once"];
     const MARKS: [&str; 5] = [".", ".", "!", "?", ";"];
     let mut rng = SplitMix64::new(0x5EED_7EA7);
     let mut pick = |n: usize| rng.below(n as u64) as usize;
@@ -187,13 +235,19 @@ fn generate_play(min_len: usize) -> String {
         out.push_str(":\n");
         for _ in 0..1 + pick(3) {
             let s = SUBJECTS[pick(SUBJECTS.len())];
-            let mut line = format!("{} {} {}{}", s, VERBS[pick(VERBS.len())], OBJECTS[pick(OBJECTS.len())], ENDINGS[pick(ENDINGS.len())]);
+            let mut line = format!(
+                "{} {} {}{}",
+                s,
+                VERBS[pick(VERBS.len())],
+                OBJECTS[pick(OBJECTS.len())],
+                ENDINGS[pick(ENDINGS.len())]
+            );
             if pick(4) == 0 {
                 line.push_str(", and ");
                 line.push_str(SUBJECTS[pick(SUBJECTS.len())]);
-                line.push_str(" ");
+                line.push(' ');
                 line.push_str(VERBS[pick(VERBS.len())]);
-                line.push_str(" ");
+                line.push(' ');
                 line.push_str(OBJECTS[pick(OBJECTS.len())]);
             }
             line.push_str(MARKS[pick(MARKS.len())]);
@@ -217,8 +271,10 @@ mod tests {
         let c = Corpus::generated();
         assert!(c.tokens.len() >= 200 * 1024);
         assert_eq!(c.vocab_string(), GENERATED_VOCAB);
-        assert_eq!(crate::params::digest_f32(&c.tokens.iter().map(|&t| t as f32).collect::<Vec<_>>()),
-            crate::params::digest_f32(&Corpus::generated().tokens.iter().map(|&t| t as f32).collect::<Vec<_>>()));
+        assert_eq!(
+            crate::params::digest_f32(&c.tokens.iter().map(|&t| t as f32).collect::<Vec<_>>()),
+            crate::params::digest_f32(&Corpus::generated().tokens.iter().map(|&t| t as f32).collect::<Vec<_>>())
+        );
     }
 
     #[test]

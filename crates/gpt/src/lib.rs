@@ -28,10 +28,9 @@
 //! | [`model`] | the forward pass, also one unit (embedding, block, head) at a time |
 //! | [`data`] | the generated default corpus, the vocabulary, the world-size-invariant sampler |
 //! | [`adamw`] | AdamW over flat `f32` slices, `torch.optim.AdamW` semantics |
-//! | [`checkpoint`] | safetensors with nanoGPT's names and layouts |
+//! | [`weights_file`] | the weights as one safetensors file with nanoGPT's names and layouts |
 
 pub mod adamw;
-pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
@@ -40,6 +39,7 @@ pub mod model;
 pub mod params;
 pub mod precision;
 pub mod rng;
+pub mod weights_file;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use config::GptConfig;

@@ -80,7 +80,8 @@ impl Gpt {
                 .specs
                 .iter()
                 .map(|s| {
-                    let t = Tensor::from_slice(&flat[s.range()], s.shape.as_slice(), &Device::Cpu)?.to_dtype(DType::BF16)?;
+                    let t = Tensor::from_slice(&flat[s.range()], s.shape.as_slice(), &Device::Cpu)?
+                        .to_dtype(DType::BF16)?;
                     Ok(Var::from_tensor(&t)?)
                 })
                 .collect(),
@@ -180,8 +181,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// (T, T): 0 on and below the diagonal, -inf above (a token sees only its past).
 fn causal_mask(t: usize, dtype: DType) -> Result<Tensor> {
-    let m: Vec<f32> =
-        (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
+    let m: Vec<f32> = (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
     Ok(Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(dtype)?)
 }
 
@@ -197,22 +197,6 @@ pub fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> 
     let all = cpu.as_slice::<f32>()?;
     let start = layout.start_offset();
     Ok(f(&all[start..start + t.elem_count()]))
-}
-
-/// Writes the gradient of each `var` into `out` (their flat slots, back to
-/// back); a parameter that received no gradient gets zeros.
-pub fn copy_grads(grads: &candle_core::backprop::GradStore, vars: &[Var], out: &mut [f32]) -> Result<()> {
-    let mut at = 0;
-    for v in vars {
-        let n = v.elem_count();
-        let slot = &mut out[at..at + n];
-        match grads.get(v.as_tensor()) {
-            Some(g) => with_f32_values(g, |g| slot.copy_from_slice(g))?,
-            None => slot.fill(0.0),
-        }
-        at += n;
-    }
-    Ok(())
 }
 
 /// Adds the gradient of each `var` onto `acc` (their flat slots, back to

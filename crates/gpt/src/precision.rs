@@ -76,7 +76,7 @@ mod tests {
 
     #[test]
     fn bf16_bits_round_like_candle() {
-        let xs = [1.0f32, 1.00390625, 1.01171875, -3.3e-5, 65504.0, 1e-40, f32::MAX, -0.0];
+        let xs = [1.0f32, 1.003_906_3, 1.011_718_8, -3.3e-5, 65504.0, 1e-40, f32::MAX, -0.0];
         let ours = bf16_bits(&xs);
         let candle: Vec<u16> = Tensor::from_slice(&xs, xs.len(), &Device::Cpu)
             .unwrap()

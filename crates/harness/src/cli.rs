@@ -110,24 +110,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::parse_size;
-
-    #[test]
-    fn sizes_parse_in_decimal_and_binary_units() {
-        assert_eq!(parse_size("120MB"), Ok(120_000_000));
-        assert_eq!(parse_size("1.5GB"), Ok(1_500_000_000));
-        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("2e9"), Ok(2_000_000_000));
-        assert!(parse_size("12 parsecs").is_err());
-        assert!(parse_size("-5MB").is_err());
-        assert!(parse_size("MB").is_err());
-        assert!(parse_size("0.4B").is_err(), "a budget rounds to at least one byte");
-    }
-}
-
 fn positive_f32(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
@@ -156,9 +138,34 @@ pub fn parse_args<P: Parser>(lesson: &Lesson) -> anyhow::Result<P> {
                 }
                 return Err(Stop::Success.into());
             }
-            let first = e.render().to_string().lines().next().unwrap_or("bad arguments").trim_start_matches("error: ").to_string();
+            let first = e
+                .render()
+                .to_string()
+                .lines()
+                .next()
+                .unwrap_or("bad arguments")
+                .trim_start_matches("error: ")
+                .to_string();
             anyhow::bail!("{first} (see --help)");
         }
     };
-    Ok(P::from_arg_matches(&matches).map_err(|e| anyhow::anyhow!("{}", e.to_string().lines().next().unwrap_or("")))?)
+    P::from_arg_matches(&matches).map_err(|e| anyhow::anyhow!("{}", e.to_string().lines().next().unwrap_or("")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_parse_in_decimal_and_binary_units() {
+        assert_eq!(parse_size("120MB"), Ok(120_000_000));
+        assert_eq!(parse_size("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2e9"), Ok(2_000_000_000));
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("-5MB").is_err());
+        assert!(parse_size("MB").is_err());
+        assert!(parse_size("0.4B").is_err(), "a budget rounds to at least one byte");
+    }
 }

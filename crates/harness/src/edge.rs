@@ -48,7 +48,7 @@ pub fn is_root() -> bool {
 }
 
 /// From here on, an error may leave other ranks waiting in a collective.
-pub fn mark_setup_done() {
+pub(crate) fn mark_setup_done() {
     SETUP_DONE.store(true, Relaxed);
 }
 

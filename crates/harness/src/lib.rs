@@ -13,9 +13,9 @@
 //! fn main() -> std::process::ExitCode {
 //!     fsdp_harness::main(LESSON, |world, lesson| {
 //!         let args: TrainArgs = fsdp_harness::parse_args(lesson)?;
-//!         let session = Session::new(world, lesson, args)?;
-//!         // … the lesson's training loop …
-//!         # let _ = session;
+//!         let (session, start) = Session::new(world, lesson, args)?;
+//!         // … the lesson's state, cut from `start`; the training loop …
+//!         # let _ = (session, start);
 //!         Ok(())
 //!     })
 //! }
@@ -28,32 +28,35 @@
 //! | [`session`] | config validation, data, model, the config table |
 //! | [`run`] | the training-loop bookkeeping: progress, losses, timing |
 //! | [`report`] | memory tally, traffic table, JSON, weights |
-//! | [`table`] | boxed text tables |
-//! | [`plot`] | small SVG line charts |
+//! | [`table`], [`plot`] | boxed text tables, SVG charts (re-exported from `fsdp-plot`) |
 //! | [`timeline`] | the heap sampled at the events of one step |
-//! | [`checkpoint`] | sharded checkpoints on disk: atomic save, checksummed load, any world size |
-//! | [`checkpointing`] | the session's side: flags, resume checks, the collective save |
+//! | [`checkpoint`] | checkpoint files (re-exported from `fsdp-checkpoint`) |
+//! | [`resume`] | before training: the checkpoint flags, and a checkpoint checked against this run |
+//! | [`save`] | the collective, atomic save of a checkpoint |
 //! | [`edge`] | `main`: errors reported once, on rank 0, every rank ends |
 //! | [`stop`] | SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit |
 
 pub mod alloc;
-pub mod checkpoint;
-pub mod checkpointing;
 pub mod cli;
 pub mod edge;
-pub mod plot;
 pub mod report;
+pub mod resume;
 pub mod run;
+pub mod save;
 pub mod session;
 pub mod stop;
-pub mod table;
 pub mod timeline;
+
+/// The checkpoint files (crate `fsdp-checkpoint`), and the tables and charts
+/// (crate `fsdp-plot`): infrastructure, kept in crates of their own.
+pub use fsdp_checkpoint as checkpoint;
+pub use fsdp_plot::{plot, table};
 
 pub use cli::{TrainArgs, parse_args};
 pub use edge::{Lesson, main};
 pub use report::{MemoryTally, Report};
 pub use run::Run;
-pub use session::Session;
+pub use session::{Moments, Session, Start};
 pub use timeline::MemoryTimeline;
 
 /// Prints on rank 0 only (rank-0 output is the report; other ranks stay quiet).

@@ -53,7 +53,13 @@ impl MemoryTally {
             t.row([r.category.clone(), thousands(r.elems as u64), thousands(r.bytes()), mb(r.bytes()), r.note.clone()]);
         }
         t.separator();
-        t.row(["total".to_string(), String::new(), thousands(self.total_bytes()), mb(self.total_bytes()), String::new()]);
+        t.row([
+            "total".to_string(),
+            String::new(),
+            thousands(self.total_bytes()),
+            mb(self.total_bytes()),
+            String::new(),
+        ]);
         t
     }
 }
@@ -72,7 +78,16 @@ pub struct Report<'a, 'w> {
 
 impl<'a, 'w> Report<'a, 'w> {
     pub fn new(session: &'a Session<'w>, run: &'a Run, tally: MemoryTally) -> Self {
-        Self { session, run, tally, tables: vec![], expected: vec![], json: Default::default(), charts: vec![], traffic: None }
+        Self {
+            session,
+            run,
+            tally,
+            tables: vec![],
+            expected: vec![],
+            json: Default::default(),
+            charts: vec![],
+            traffic: None,
+        }
     }
 
     /// The theoretical bytes each rank must send per step for `kind`, shown
@@ -130,8 +145,12 @@ impl<'a, 'w> Report<'a, 'w> {
         println!("{}", self.tally.table().render());
         // Measured numbers vary a little from run to run: they get their own
         // table, so the tally from shapes above stays exactly reproducible.
-        let mut m = Table::new(std::iter::once("measured, per rank".to_string()).chain((0..w.size()).map(|r| format!("rank {r}"))));
-        let row = |label: &str, v: &[u64]| std::iter::once(label.to_string()).chain(v.iter().map(|&b| mb_measured(b))).collect::<Vec<_>>();
+        let mut m = Table::new(
+            std::iter::once("measured, per rank".to_string()).chain((0..w.size()).map(|r| format!("rank {r}"))),
+        );
+        let row = |label: &str, v: &[u64]| {
+            std::iter::once(label.to_string()).chain(v.iter().map(|&b| mb_measured(b))).collect::<Vec<_>>()
+        };
         m.row(row("live heap as training began", &base));
         m.row(row("peak live heap while training", &peak));
         m.row(row("peak RSS (incl. MPI, code)", &rss));
@@ -145,8 +164,14 @@ impl<'a, 'w> Report<'a, 'w> {
             if st.calls == 0 || kind == Collective::Control {
                 continue;
             }
-            let theory = self.expected.iter().find(|(k, _)| *k == kind).map_or("—".to_string(), |(_, b)| thousands(*b));
-            tt.row([kind.name().to_string(), format!("{:.1}", st.calls as f64 / steps as f64), thousands(st.bytes_sent / steps), theory]);
+            let theory =
+                self.expected.iter().find(|(k, _)| *k == kind).map_or("—".to_string(), |(_, b)| thousands(*b));
+            tt.row([
+                kind.name().to_string(),
+                format!("{:.1}", st.calls as f64 / steps as f64),
+                thousands(st.bytes_sent / steps),
+                theory,
+            ]);
             secs.push(format!("{} {:.2} ms", kind.name(), st.seconds / steps as f64 * 1e3));
         }
         if !secs.is_empty() {
@@ -160,7 +185,11 @@ impl<'a, 'w> Report<'a, 'w> {
         if let Some(d) = &digest {
             println!("final weights digest {d}");
         }
-        println!("\nmeasured {} tok/s over all ranks (median step {:.1} ms)", thousands(self.run.tokens_per_second() as u64), self.run.median_step_seconds() * 1e3);
+        println!(
+            "\nmeasured {} tok/s over all ranks (median step {:.1} ms)",
+            thousands(self.run.tokens_per_second() as u64),
+            self.run.median_step_seconds() * 1e3
+        );
 
         // Files.
         let mut j = json!({
@@ -194,7 +223,8 @@ impl<'a, 'w> Report<'a, 'w> {
         }
         let write = |name: &str, data: &[u8]| {
             let path = s.out.join(name);
-            fsdp_gpt::checkpoint::write_atomically(&path, data).with_context(|| format!("cannot write {}", path.display()))
+            fsdp_gpt::weights_file::write_atomically(&path, data)
+                .with_context(|| format!("cannot write {}", path.display()))
         };
         write("report.json", serde_json::to_string_pretty(&j)?.as_bytes())?;
         let loss = Chart {
@@ -215,9 +245,13 @@ impl<'a, 'w> Report<'a, 'w> {
         }
         if let Some(p) = final_params {
             let path = s.out.join("weights.safetensors");
-            fsdp_gpt::checkpoint::save(&path, &s.cfg, &s.corpus.vocab_string(), &p[..s.table.numel()])?;
+            fsdp_gpt::weights_file::save(&path, &s.cfg, &s.corpus.vocab_string(), &p[..s.table.numel()])?;
         }
-        println!("wrote {}/{{report.json, loss.svg{}}}", s.out.display(), if final_params.is_some() { ", weights.safetensors" } else { "" });
+        println!(
+            "wrote {}/{{report.json, loss.svg{}}}",
+            s.out.display(),
+            if final_params.is_some() { ", weights.safetensors" } else { "" }
+        );
         Ok(())
     }
 }

@@ -66,7 +66,7 @@ impl Run {
             b.set_message(format!("loss {loss:.4} · {} tok/s", thousands(tps as u64)));
             b.inc(1);
         }
-        if step == self.first_step || step % self.log_every == 0 || step == self.steps {
+        if step == self.first_step || step.is_multiple_of(self.log_every) || step == self.steps {
             match &self.bar {
                 Some(b) => b.println(line),
                 None => crate::print0!("{line}"),
@@ -88,7 +88,8 @@ impl Run {
 
     /// Median seconds per step, leaving out the first (warm-up) step when there are others.
     pub fn median_step_seconds(&self) -> f64 {
-        let mut v: Vec<f64> = self.step_seconds.iter().skip(usize::from(self.step_seconds.len() > 1)).copied().collect();
+        let mut v: Vec<f64> =
+            self.step_seconds.iter().skip(usize::from(self.step_seconds.len() > 1)).copied().collect();
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     }

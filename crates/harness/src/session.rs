@@ -1,6 +1,5 @@
 //! Setup shared by every lesson: validate the flags against the world,
 //! load the data, build the model shape, and print the config table.
-use std::cell::RefCell;
 use std::ops::Range;
 use std::path::PathBuf;
 
@@ -13,6 +12,7 @@ use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
 use crate::checkpoint::{Meta, Resumed};
 use crate::cli::TrainArgs;
 use crate::edge::{Lesson, agree};
+use crate::resume::ThisRun;
 use crate::table::{Table, thousands};
 
 /// Everything a lesson's training loop needs besides its own state.
@@ -35,11 +35,11 @@ pub struct Session<'w> {
     pub sum_groups_given: bool,
     /// The first step to train: 1, or the checkpoint's step + 1 after `--resume`.
     pub first_step: u64,
-    /// `--resume`: the checkpoint's state in model order, until the lesson
-    /// has cut its shards out of it ([`Session::forget_resumed`]).
-    pub resumed: RefCell<Option<Resumed>>,
-    /// The lesson's flags that change the arithmetic, saved in and checked against checkpoints.
-    pub lesson_flags: Vec<(String, String)>,
+    /// `--resume`: where from (the folder, its step, the world size that saved it).
+    pub resumed_from: Option<(PathBuf, u64, usize)>,
+    /// What a checkpoint records of this run (model, data, AdamW, the
+    /// lesson's flags that change the arithmetic) and a resume checks.
+    pub this_run: ThisRun,
     /// `--resume`: what this run does differently from an uninterrupted one
     /// (another summation order, another global batch), one line each.
     pub resume_notes: Vec<String>,
@@ -48,35 +48,92 @@ pub struct Session<'w> {
 /// `--micro-batches` when neither the flag nor a checkpoint says.
 pub const DEFAULT_MICRO_BATCHES: usize = 4;
 
+/// The state training starts from, handed to the lesson by value: the
+/// seed's initial weights, or a checkpoint's weights and AdamW moments, in
+/// model order and whole on every rank. The lesson cuts its shards out of it
+/// and drops it; a resumed run's `--mem-budget` starts then (reading a
+/// checkpoint whole is a loading detail, not what training holds).
+pub struct Start {
+    /// The fp32 weights in model order.
+    pub weights: Vec<f32>,
+    /// `--resume`: AdamW's `m` and `v` in model order, and its step count `t`.
+    pub moments: Option<Moments>,
+    budget_when_dropped: Option<Option<usize>>,
+}
+
+/// AdamW's state in model order, from a checkpoint.
+pub struct Moments {
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub t: u32,
+}
+
+impl Start {
+    /// The weights and moments themselves, for a lesson that keeps them
+    /// whole (data parallelism): no copy; the budget starts as for a drop.
+    pub fn into_parts(mut self) -> (Vec<f32>, Option<Moments>) {
+        (std::mem::take(&mut self.weights), self.moments.take())
+    }
+}
+
+impl Drop for Start {
+    fn drop(&mut self) {
+        if let Some(budget) = self.budget_when_dropped {
+            (self.weights, self.moments) = (vec![], None); // freed before the budget starts
+            crate::alloc::set_budget(budget);
+        }
+    }
+}
+
 impl<'w> Session<'w> {
     /// Validates `args` for this world and builds the session. Every rank
     /// agrees on the outcome, so a bad flag or file ends all ranks cleanly.
-    pub fn new(world: &'w World, lesson: &Lesson, args: TrainArgs) -> anyhow::Result<Self> {
+    pub fn new(world: &'w World, lesson: &Lesson, args: TrainArgs) -> anyhow::Result<(Self, Start)> {
         Self::with_flags(world, lesson, args, &[])
     }
 
     /// [`Session::new`] for a lesson with flags of its own that change the
     /// arithmetic (e.g. `("--precision", "bf16")`): a checkpoint records them
     /// and resumes only under the same values.
-    pub fn with_flags(world: &'w World, lesson: &Lesson, args: TrainArgs, flags: &[(&str, String)]) -> anyhow::Result<Self> {
+    pub fn with_flags(
+        world: &'w World,
+        lesson: &Lesson,
+        args: TrainArgs,
+        flags: &[(&str, String)],
+    ) -> anyhow::Result<(Self, Start)> {
         let flags = flags.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
         let result = Self::build(world, lesson, args, flags);
-        agree(world, result)
+        let agreed = agree(world, result)?;
+        // From here on an error may leave other ranks waiting in a
+        // collective: it ends the whole job (see `edge`).
+        crate::edge::mark_setup_done();
+        Ok(agreed)
     }
 
-    fn build(world: &'w World, lesson: &Lesson, mut args: TrainArgs, lesson_flags: Vec<(String, String)>) -> anyhow::Result<Self> {
+    fn build(
+        world: &'w World,
+        lesson: &Lesson,
+        mut args: TrainArgs,
+        lesson_flags: Vec<(String, String)>,
+    ) -> anyhow::Result<(Self, Start)> {
         let n = world.size();
         let loaded: Option<(Meta, Resumed)> = match &args.resume {
             Some(dir) => Some(crate::checkpoint::read(dir, "--resume")?),
             None => None,
         };
         // M: the flag, else the checkpoint's, else 4.
-        let m = args.micro_batches.map(|m| m as usize).or(loaded.as_ref().map(|(meta, _)| meta.data.micro_batches)).unwrap_or(DEFAULT_MICRO_BATCHES);
+        let m = args
+            .micro_batches
+            .map(|m| m as usize)
+            .or(loaded.as_ref().map(|(meta, _)| meta.data.micro_batches))
+            .unwrap_or(DEFAULT_MICRO_BATCHES);
         args.micro_batches = Some(m as u32);
         if n > m {
-            bail!("{n} ranks but only {m} micro-batches per step: pass --micro-batches {n} (or a multiple of {n}), or run fewer ranks");
+            bail!(
+                "{n} ranks but only {m} micro-batches per step: pass --micro-batches {n} (or a multiple of {n}), or run fewer ranks"
+            );
         }
-        if m % n != 0 {
+        if !m.is_multiple_of(n) {
             bail!(
                 "--micro-batches {m} does not divide among {n} ranks: pass a multiple of {n}, e.g. --micro-batches {}",
                 m.div_ceil(n) * n
@@ -89,7 +146,12 @@ impl<'w> Session<'w> {
         let cfg = GptConfig::preset(&args.preset, corpus.vocab.len())?;
         let seq_len = args.seq_len.map_or(cfg.block_size, |t| t as usize);
         if seq_len > cfg.block_size {
-            bail!("--seq-len {seq_len} exceeds the {} preset's block size {}: pass --seq-len {} or less", args.preset, cfg.block_size, cfg.block_size);
+            bail!(
+                "--seq-len {seq_len} exceeds the {} preset's block size {}: pass --seq-len {} or less",
+                args.preset,
+                cfg.block_size,
+                cfg.block_size
+            );
         }
         let sampler = Sampler::new(&corpus, args.batch_size as usize, seq_len, m, args.seed)?;
         let out = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(lesson.short()));
@@ -98,7 +160,39 @@ impl<'w> Session<'w> {
         }
         let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
         let table = ParamTable::new(&cfg);
-        let mut s = Self {
+        let this_run = ThisRun {
+            lesson: lesson.package.to_string(),
+            model: crate::resume::model_meta(&args.preset, &cfg, table.numel()),
+            data: crate::resume::data_meta(&corpus, &sampler, args.seed),
+            adamw: crate::resume::adamw_meta(&adamw),
+            lesson_flags,
+        };
+        if let Some((meta, _)) = &loaded {
+            this_run.check_resume(&args, meta)?; // first: another lesson's or model's checkpoint says so
+        }
+        let (sum_groups, sum_groups_given) = crate::resume::sum_groups(&args, n, loaded.as_ref().map(|(m, _)| m))?;
+        crate::resume::check_paths(world, &args)?;
+        let budget = args.mem_budget.map(|b| b as usize);
+        let (start, resumed_from, resume_notes, first_step) = match loaded {
+            Some((meta, r)) => {
+                let notes = crate::resume::resume_notes(&meta, sum_groups);
+                let moments = Some(Moments { m: r.m, v: r.v, t: r.t });
+                // The budget starts once the checkpoint's full state is dropped.
+                let start = Start { weights: r.master, moments, budget_when_dropped: Some(budget) };
+                (start, Some((r.from, r.step, r.saved_world)), notes, r.step + 1)
+            }
+            None => {
+                crate::alloc::set_budget(budget); // building the training state counts
+                (
+                    Start { weights: table.init_flat(args.seed), moments: None, budget_when_dropped: None },
+                    None,
+                    vec![],
+                    1,
+                )
+            }
+        };
+        crate::stop::save_first(args.ckpt.is_some());
+        let s = Self {
             world,
             lesson: *lesson,
             args,
@@ -109,47 +203,14 @@ impl<'w> Session<'w> {
             sampler,
             adamw,
             out,
-            sum_groups: SumGroups::new(n, m, n).map_err(|e| anyhow::anyhow!(e))?, // set below
-            sum_groups_given: false,
-            first_step: 1,
-            resumed: RefCell::new(None),
-            resume_notes: vec![],
-            lesson_flags,
+            sum_groups,
+            sum_groups_given,
+            first_step,
+            resumed_from,
+            this_run,
+            resume_notes,
         };
-        if let Some((meta, _)) = &loaded {
-            crate::checkpointing::check_resume(&s, meta)?; // first: another lesson's or model's checkpoint says so
-        }
-        (s.sum_groups, s.sum_groups_given) = crate::checkpointing::sum_groups(&s.args, n, loaded.as_ref().map(|(m, _)| m))?;
-        crate::checkpointing::check_paths(world, &s.args)?;
-        match loaded {
-            Some((meta, resumed)) => {
-                s.resume_notes = crate::checkpointing::resume_notes(&meta, s.sum_groups);
-                s.first_step = resumed.step + 1;
-                s.resumed = RefCell::new(Some(resumed));
-                // The budget starts once the checkpoint's full state is freed (forget_resumed).
-            }
-            None => crate::alloc::set_budget(s.args.mem_budget.map(|b| b as usize)),
-        }
-        crate::stop::save_first(s.args.ckpt.is_some());
-        Ok(s)
-    }
-
-    /// The starting weights in model order: the checkpoint's under `--resume`,
-    /// else the seed's initial weights (the same on every rank).
-    pub fn start_weights(&self) -> Vec<f32> {
-        match &*self.resumed.borrow() {
-            Some(r) => r.master.clone(),
-            None => self.table.init_flat(self.args.seed),
-        }
-    }
-
-    /// Frees the checkpoint's state once the lesson has taken its shards;
-    /// `--mem-budget` applies from here on (the full state in model order,
-    /// on every rank, is a loading detail, not what training holds).
-    pub fn forget_resumed(&self) {
-        if self.resumed.borrow_mut().take().is_some() {
-            crate::alloc::set_budget(self.args.mem_budget.map(|b| b as usize));
-        }
+        Ok((s, start))
     }
 
     /// An empty sum of my micro-batches' gradients (vectors of `len`
@@ -179,11 +240,32 @@ impl<'w> Session<'w> {
         Ok((loss.to_scalar::<f32>()?, grads))
     }
 
+    /// A start state from the seed alone (for a side run beside training,
+    /// such as lesson 03's one step of lesson 02 for the memory timeline).
+    pub fn seed_start(&self) -> Start {
+        Start { weights: self.table.init_flat(self.args.seed), moments: None, budget_when_dropped: None }
+    }
+
+    /// Training begins: the step clock and a fresh peak-heap measurement
+    /// start, and `--mem-budget` is checked once before the first step (does
+    /// the training state alone fit?).
+    pub fn start_training(&self) -> anyhow::Result<crate::Run> {
+        let run = crate::Run::start(self);
+        self.check_memory_budget(self.first_step - 1)?;
+        Ok(run)
+    }
+
     /// Everything a step's end does besides the lesson's own work: record
     /// the loss (and print it), check `--mem-budget`, save a checkpoint when
     /// one is due, and stop the job if it was asked to (after saving one,
     /// with `--ckpt`). Every rank calls it after every step.
-    pub fn end_step<'a>(&self, step: u64, run: &mut crate::Run, loss: f32, pieces: impl FnOnce() -> Vec<crate::checkpoint::ShardPiece<'a>>) -> anyhow::Result<()> {
+    pub fn end_step<'a>(
+        &self,
+        step: u64,
+        run: &mut crate::Run,
+        loss: f32,
+        pieces: impl FnOnce() -> Vec<crate::checkpoint::ShardPiece<'a>>,
+    ) -> anyhow::Result<()> {
         run.step_done(step, loss);
         self.check_memory_budget(step)?;
         let stop = crate::stop::agreed(self.world);
@@ -202,7 +284,9 @@ impl<'w> Session<'w> {
                     dir.join(crate::checkpoint::step_dir_name(step)).display(),
                     dir.display()
                 ),
-                None => eprintln!("stopped {how} after step {step}: nothing saved (pass --ckpt DIR to save a checkpoint when stopped)"),
+                None => eprintln!(
+                    "stopped {how} after step {step}: nothing saved (pass --ckpt DIR to save a checkpoint when stopped)"
+                ),
             }
         }
         crate::stop::exit_now(crate::stop::exit_code(sig))
@@ -228,12 +312,18 @@ impl<'w> Session<'w> {
             let first = self.first_step;
             if r[3] == 1 && r[2] > budget {
                 // More than the budget was live when it was set.
-                eprintln!("error: out of memory on rank {rank}: {live} live before training already exceeds the budget {b} ({fix})");
+                eprintln!(
+                    "error: out of memory on rank {rank}: {live} live before training already exceeds the budget {b} ({fix})"
+                );
             } else if r[3] == 1 {
                 // While building the training state: the state alone does not fit.
-                eprintln!("error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (building the training state, before step {first}; {fix})");
+                eprintln!(
+                    "error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (building the training state, before step {first}; {fix})"
+                );
             } else {
-                eprintln!("error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (step {step}; {fix})");
+                eprintln!(
+                    "error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (step {step}; {fix})"
+                );
             }
         }
         Err(crate::edge::Stop::Reported.into())
@@ -248,32 +338,65 @@ impl<'w> Session<'w> {
         t.row(["world size".to_string(), format!("{n} rank{}", if n == 1 { "" } else { "s" })]);
         t.row([
             "preset".to_string(),
-            format!("{} ({} layers, {} heads, n_embd {}, block {})", self.args.preset, c.n_layer, c.n_head, c.n_embd, c.block_size),
+            format!(
+                "{} ({} layers, {} heads, n_embd {}, block {})",
+                self.args.preset, c.n_layer, c.n_head, c.n_embd, c.block_size
+            ),
         ]);
         t.row(["parameters".to_string(), thousands(self.table.numel() as u64)]);
-        t.row(["data".to_string(), format!("{} ({} chars, vocab {})", self.corpus.source, thousands(self.corpus.tokens.len() as u64), c.vocab_size)]);
+        t.row([
+            "data".to_string(),
+            format!(
+                "{} ({} chars, vocab {})",
+                self.corpus.source,
+                thousands(self.corpus.tokens.len() as u64),
+                c.vocab_size
+            ),
+        ]);
         t.row(["micro-batch".to_string(), format!("{} × {} tokens", self.sampler.batch_size, self.sampler.seq_len)]);
         t.row(["micro-batches per step".to_string(), format!("{m} ({} per rank)", m / n)]);
         t.row(["tokens per step".to_string(), thousands(self.sampler.tokens_per_step() as u64)]);
         t.row(["steps".to_string(), thousands(self.args.steps)]);
         let g = self.sum_groups.groups;
         if self.sum_groups_given {
-            t.row(["gradient sum groups".to_string(), format!("{g} ({} per rank; same bits at any world size dividing {g})", g / n)]);
+            t.row([
+                "gradient sum groups".to_string(),
+                format!("{g} ({} per rank; same bits at any world size dividing {g})", g / n),
+            ]);
         }
-        if let Some(r) = &*self.resumed.borrow() {
-            t.row(["resumed from".to_string(), format!("{} (step {}, saved by {} rank{})", r.from.display(), r.step, r.saved_world, if r.saved_world == 1 { "" } else { "s" })]);
+        if let Some((from, step, saved_world)) = &self.resumed_from {
+            t.row([
+                "resumed from".to_string(),
+                format!(
+                    "{} (step {step}, saved by {saved_world} rank{})",
+                    from.display(),
+                    if *saved_world == 1 { "" } else { "s" }
+                ),
+            ]);
         }
         if let Some(dir) = &self.args.ckpt {
-            let every = self.args.save_every.map_or("at the last step".to_string(), |k| format!("every {k} steps and at the last"));
+            let every = self
+                .args
+                .save_every
+                .map_or("at the last step".to_string(), |k| format!("every {k} steps and at the last"));
             t.row(["checkpoints".to_string(), format!("{} ({every}; keep {})", dir.display(), self.args.keep)]);
         }
         let a = &self.adamw;
-        t.row(["AdamW".to_string(), format!("lr {}, betas ({}, {}), eps {:e}, weight decay {}", a.lr, a.beta1, a.beta2, a.eps, a.weight_decay)]);
+        t.row([
+            "AdamW".to_string(),
+            format!("lr {}, betas ({}, {}), eps {:e}, weight decay {}", a.lr, a.beta1, a.beta2, a.eps, a.weight_decay),
+        ]);
         t.row(["seed".to_string(), self.args.seed.to_string()]);
         if let Some(b) = self.args.mem_budget {
-            t.row(["memory budget per rank".to_string(), format!("{} (counting allocator, like a GPU's memory)", crate::table::mb(b))]);
+            t.row([
+                "memory budget per rank".to_string(),
+                format!("{} (counting allocator, like a GPU's memory)", crate::table::mb(b)),
+            ]);
         }
-        t.row(["compute threads per rank".to_string(), std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "1".into())]);
+        t.row([
+            "compute threads per rank".to_string(),
+            std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "1".into()),
+        ]);
         for (k, v) in extra {
             t.row([k.to_string(), v.clone()]);
         }

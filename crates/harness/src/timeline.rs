@@ -42,7 +42,11 @@ impl MemoryTimeline {
     pub fn mark(&mut self, label: impl Into<String>) {
         if self.recording {
             let peak = crate::alloc::take_window_peak() as u64;
-            self.events.push(MemoryEvent { label: label.into(), live_bytes: crate::alloc::live_bytes() as u64, peak_bytes: peak });
+            self.events.push(MemoryEvent {
+                label: label.into(),
+                live_bytes: crate::alloc::live_bytes() as u64,
+                peak_bytes: peak,
+            });
         }
     }
 
@@ -57,15 +61,29 @@ impl MemoryTimeline {
         let mb = |b: u64| b as f64 / 1e6;
         // A staircase: event i spans [i, i + 1] on the x axis.
         let pts = |f: &dyn Fn(&MemoryEvent) -> u64| {
-            self.events.iter().enumerate().flat_map(|(i, e)| [(i as f64, mb(f(e))), ((i + 1) as f64, mb(f(e)))]).collect()
+            self.events
+                .iter()
+                .enumerate()
+                .flat_map(|(i, e)| [(i as f64, mb(f(e))), ((i + 1) as f64, mb(f(e)))])
+                .collect()
         };
         Chart {
             title: title.into(),
             x_label: "event of one step (gather, compute, free, reduce …)".into(),
             y_label: "heap, MB".into(),
             series: vec![
-                Series { name: "peak during event".into(), color: "#d62728", points: pts(&|e| e.peak_bytes), dashed: false },
-                Series { name: "live after event".into(), color: "#1f77b4", points: pts(&|e| e.live_bytes), dashed: true },
+                Series {
+                    name: "peak during event".into(),
+                    color: "#d62728",
+                    points: pts(&|e| e.peak_bytes),
+                    dashed: false,
+                },
+                Series {
+                    name: "live after event".into(),
+                    color: "#1f77b4",
+                    points: pts(&|e| e.live_bytes),
+                    dashed: true,
+                },
             ],
             y_range,
         }
@@ -94,7 +112,11 @@ mod tests {
         // The heap is the process's: tests on other threads allocate and free
         // a little meanwhile, hence 64 KiB of slack around the 8 MiB.
         let (big, slack) = (8u64 << 20, 64u64 << 10);
-        assert!(held.live_bytes + slack >= start.live_bytes + big, "the buffer is live after its event: {:?}", t.events);
+        assert!(
+            held.live_bytes + slack >= start.live_bytes + big,
+            "the buffer is live after its event: {:?}",
+            t.events
+        );
         assert!(freed.live_bytes + big <= held.live_bytes + slack, "and gone after the next: {:?}", t.events);
         assert!(freed.peak_bytes >= held.live_bytes, "the freeing event saw it at its peak");
         assert_eq!(t.chart("x", None).series[0].points.len(), 6, "two points per event: a staircase");

@@ -48,12 +48,19 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            let first = e.render().to_string().lines().next().unwrap_or("bad arguments").trim_start_matches("error: ").to_string();
+            let first = e
+                .render()
+                .to_string()
+                .lines()
+                .next()
+                .unwrap_or("bad arguments")
+                .trim_start_matches("error: ")
+                .to_string();
             eprintln!("error: {first} (see --help)");
             return ExitCode::from(2);
         }
     };
-    if !(a.k >= 0.0 && a.k.is_finite()) || !(a.device_gb > 0.0 && a.device_gb.is_finite()) {
+    if !(a.k >= 0.0 && a.k.is_finite() && a.device_gb > 0.0 && a.device_gb.is_finite()) {
         eprintln!("error: --k must be ≥ 0 and --device-gb > 0");
         return ExitCode::from(2);
     }
@@ -64,13 +71,27 @@ fn main() -> ExitCode {
         thousands(a.ranks),
         a.k
     );
-    let mut t = Table::new(["scheme", "formula", "bytes / param / device", "GB / device", &format!("fits {} GB?", a.device_gb)]);
+    let mut t = Table::new([
+        "scheme",
+        "formula",
+        "bytes / param / device",
+        "GB / device",
+        &format!("fits {} GB?", a.device_gb),
+    ]);
     for (&(stage, name), f) in SCHEMES.iter().zip(formulas) {
         let bytes = model_state_bytes(a.params, a.ranks, stage, a.k);
         let fits = if bytes <= a.device_gb * 1e9 { "yes" } else { "no" };
-        t.row([name.to_string(), f.to_string(), format!("{:.3}", bytes / a.params), format!("{:.2}", bytes / 1e9), fits.to_string()]);
+        t.row([
+            name.to_string(),
+            f.to_string(),
+            format!("{:.3}", bytes / a.params),
+            format!("{:.2}", bytes / 1e9),
+            fits.to_string(),
+        ]);
     }
     println!("{}", t.render());
-    println!("GB = 10⁹ bytes. Activations, temporary buffers and fragmentation come on top; ZeRO-3's unsharded unit too.");
+    println!(
+        "GB = 10⁹ bytes. Activations, temporary buffers and fragmentation come on top; ZeRO-3's unsharded unit too."
+    );
     ExitCode::SUCCESS
 }

@@ -71,7 +71,13 @@ impl Operand {
         for d in 0..r - 2 {
             batch_offsets = batch_offsets.iter().flat_map(|&o| (0..dims[d]).map(move |i| o + i * strides[d])).collect();
         }
-        Ok(Self { batch_offsets, rows: dims[r - 2], cols: dims[r - 1], row_stride: strides[r - 2], col_stride: strides[r - 1] })
+        Ok(Self {
+            batch_offsets,
+            rows: dims[r - 2],
+            cols: dims[r - 1],
+            row_stride: strides[r - 2],
+            col_stride: strides[r - 1],
+        })
     }
 }
 
@@ -97,7 +103,11 @@ impl CustomOp2 for MatMul {
                 CpuStorage::BF16(out.into_iter().map(bf16::from_f32).collect())
             }
             (CpuStorage::F64(x), CpuStorage::F64(y)) => CpuStorage::F64(products_f64(&a, x, &b, y)),
-            _ => bail!("matmul supports f32, bf16 and f64 operands of one dtype, got {:?} and {:?}", s1.dtype(), s2.dtype()),
+            _ => bail!(
+                "matmul supports f32, bf16 and f64 operands of one dtype, got {:?} and {:?}",
+                s1.dtype(),
+                s2.dtype()
+            ),
         };
         Ok((storage, shape))
     }
@@ -111,7 +121,14 @@ impl CustomOp2 for MatMul {
 }
 
 /// Every batch item's product, in f32, back to back (row-major M × N each).
-fn products<T: Copy>(a: &Operand, x: &[T], b: &Operand, y: &[T], widen: impl Fn(T) -> f32 + Copy, path: Path) -> Vec<f32> {
+fn products<T: Copy>(
+    a: &Operand,
+    x: &[T],
+    b: &Operand,
+    y: &[T],
+    widen: impl Fn(T) -> f32 + Copy,
+    path: Path,
+) -> Vec<f32> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     let mut out = vec![0f32; a.batch_offsets.len() * m * n];
     if m == 0 || n == 0 || k == 0 {
@@ -279,7 +296,10 @@ fn products_f64(a: &Operand, x: &[f64], b: &Operand, y: &[f64]) -> Vec<f64> {
     for (&ao, &bo) in a.batch_offsets.iter().zip(&b.batch_offsets) {
         for i in 0..m {
             for j in 0..n {
-                out.push((0..k).fold(0f64, |acc, kk| x[ao + i * a.row_stride + kk * a.col_stride].mul_add(y[bo + kk * b.row_stride + j * b.col_stride], acc)));
+                out.push((0..k).fold(0f64, |acc, kk| {
+                    x[ao + i * a.row_stride + kk * a.col_stride]
+                        .mul_add(y[bo + kk * b.row_stride + j * b.col_stride], acc)
+                }));
             }
         }
     }
@@ -300,7 +320,15 @@ mod tests {
     }
 
     fn bits(t: &Tensor) -> Vec<u32> {
-        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect()
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect()
     }
 
     /// The definition, written out: one fma chain per element, k in order.
@@ -314,7 +342,13 @@ mod tests {
         // enough that any blocking over k would show.
         for &(m, k, n) in &[(1, 1, 1), (7, 3, 17), (13, 1536, 33), (64, 128, 65), (6, 0, 16)] {
             let (a, b) = (random(&[m, k], 1), random(&[k, n], 2));
-            let want = reference(&a.flatten_all().unwrap().to_vec1().unwrap(), &b.flatten_all().unwrap().to_vec1().unwrap(), m, k, n);
+            let want = reference(
+                &a.flatten_all().unwrap().to_vec1().unwrap(),
+                &b.flatten_all().unwrap().to_vec1().unwrap(),
+                m,
+                k,
+                n,
+            );
             let want: Vec<u32> = want.into_iter().map(f32::to_bits).collect();
             for path in [Path::Fastest, Path::Avx2, Path::Portable] {
                 assert_eq!(bits(&a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap()), want, "{path:?}, {m}×{k}×{n}");
@@ -339,7 +373,8 @@ mod tests {
 
     #[test]
     fn bf16_is_widened_multiplied_in_f32_and_rounded_once() {
-        let (a, b) = (random(&[9, 40], 5).to_dtype(DType::BF16).unwrap(), random(&[40, 18], 6).to_dtype(DType::BF16).unwrap());
+        let (a, b) =
+            (random(&[9, 40], 5).to_dtype(DType::BF16).unwrap(), random(&[40, 18], 6).to_dtype(DType::BF16).unwrap());
         let wide = matmul(&a.to_dtype(DType::F32).unwrap(), &b.to_dtype(DType::F32).unwrap()).unwrap();
         let out = matmul(&a, &b).unwrap();
         assert_eq!(out.dtype(), DType::BF16);
@@ -355,7 +390,13 @@ mod tests {
         let loss = |a: &Tensor, b: &Tensor| (matmul(a, b).unwrap() * &w).unwrap().sum_all().unwrap();
         let grads = loss(a.as_tensor(), b.as_tensor()).backward().unwrap();
         for (v, other, is_a) in [(&a0, &b0, true), (&b0, &a0, false)] {
-            let g = grads.get(if is_a { a.as_tensor() } else { b.as_tensor() }).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let g = grads
+                .get(if is_a { a.as_tensor() } else { b.as_tensor() })
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap();
             let flat = v.flatten_all().unwrap().to_vec1::<f64>().unwrap();
             for e in [0, flat.len() / 2, flat.len() - 1] {
                 let at = |h: f64| {
@@ -366,7 +407,12 @@ mod tests {
                     l.to_scalar::<f64>().unwrap()
                 };
                 let numeric = (at(1e-6) - at(-1e-6)) / 2e-6;
-                assert!((numeric - g[e]).abs() < 1e-6 * (1.0 + numeric.abs()), "{} [{e}]: analytic {} numeric {numeric}", if is_a { "a" } else { "b" }, g[e]);
+                assert!(
+                    (numeric - g[e]).abs() < 1e-6 * (1.0 + numeric.abs()),
+                    "{} [{e}]: analytic {} numeric {numeric}",
+                    if is_a { "a" } else { "b" },
+                    g[e]
+                );
             }
         }
     }

@@ -34,14 +34,17 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
-    let w = fsdp_gpt::checkpoint::load(&args.weights)?;
+    let w = fsdp_gpt::weights_file::load(&args.weights)?;
     let vocab = Corpus::from_text("weights vocabulary", &w.vocab)?;
     let (source, text) = match &args.data {
         Some(p) => {
             let c = Corpus::from_file(&p.display().to_string())?; // checks UTF-8 and emptiness
             (p.display().to_string(), c.tokens.iter().map(|&t| c.vocab[t as usize]).collect::<String>())
         }
-        None => ("generated".to_string(), Corpus::generated().tokens.iter().map(|&t| Corpus::generated_vocab()[t as usize]).collect()),
+        None => (
+            "generated".to_string(),
+            Corpus::generated().tokens.iter().map(|&t| Corpus::generated_vocab()[t as usize]).collect(),
+        ),
     };
     let tokens = vocab.encode(&text).with_context(|| format!("cannot evaluate on {source}"))?;
     let t = w.cfg.block_size;

@@ -32,8 +32,14 @@ fn main() -> ExitCode {
 fn run(args: Args) -> anyhow::Result<()> {
     let (meta, state) = fsdp_harness::checkpoint::read(&args.ckpt, "--ckpt")?;
     let m = &meta.model;
-    let cfg = GptConfig { vocab_size: m.vocab_size, block_size: m.block_size, n_layer: m.n_layer, n_head: m.n_head, n_embd: m.n_embd };
-    fsdp_gpt::checkpoint::save(&args.out, &cfg, &meta.data.vocab, &state.master)?;
+    let cfg = GptConfig {
+        vocab_size: m.vocab_size,
+        block_size: m.block_size,
+        n_layer: m.n_layer,
+        n_head: m.n_head,
+        n_embd: m.n_embd,
+    };
+    fsdp_gpt::weights_file::save(&args.out, &cfg, &meta.data.vocab, &state.master)?;
     println!(
         "{}: {} at step {}, {} shard file(s) from {} rank(s) → {} ({} params, digest {:016x})",
         state.from.display(),

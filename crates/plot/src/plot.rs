@@ -71,14 +71,30 @@ impl Chart {
         let sx = |x: f64| LEFT + (x - x0) / (x1 - x0) * pw;
         let sy = |y: f64| TOP + ph - (y - y0) / (y1 - y0) * ph;
         let mut s = String::new();
-        s.push_str(&format!("<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\">{}</text>\n", W / 2.0, esc(&self.title)));
-        s.push_str(&format!("<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n"));
+        s.push_str(&format!(
+            "<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\">{}</text>\n",
+            W / 2.0,
+            esc(&self.title)
+        ));
+        s.push_str(&format!(
+            "<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n"
+        ));
         // Grid lines and labels at round values ("15,000", not "1.5e4").
         let y_step = nice_step((y1 - y0) / 4.0);
         let y_scale = y0.abs().max(y1.abs());
         for yv in ticks(y0, y1, y_step) {
-            s.push_str(&format!("<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/>\n", LEFT + pw, sy(yv), sy(yv)));
-            s.push_str(&format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n", LEFT - 6.0, sy(yv) + 4.0, label(yv, y_step, y_scale)));
+            s.push_str(&format!(
+                "<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/>\n",
+                LEFT + pw,
+                sy(yv),
+                sy(yv)
+            ));
+            s.push_str(&format!(
+                "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n",
+                LEFT - 6.0,
+                sy(yv) + 4.0,
+                label(yv, y_step, y_scale)
+            ));
         }
         // x: a few whole-number positions (ranks 1, 2, 4) are labelled as they are; else round values.
         let mut xs: Vec<f64> = self.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).collect();
@@ -92,9 +108,19 @@ impl Chart {
         };
         let x_scale = x0.abs().max(x1.abs());
         for xv in x_ticks {
-            s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", sx(xv), TOP + ph + 16.0, label(xv, x_step, x_scale)));
+            s.push_str(&format!(
+                "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+                sx(xv),
+                TOP + ph + 16.0,
+                label(xv, x_step, x_scale)
+            ));
         }
-        s.push_str(&format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", LEFT + pw / 2.0, H - 10.0, esc(&self.x_label)));
+        s.push_str(&format!(
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+            LEFT + pw / 2.0,
+            H - 10.0,
+            esc(&self.x_label)
+        ));
         s.push_str(&format!(
             "<text transform=\"translate(16,{}) rotate(-90)\" text-anchor=\"middle\">{}</text>\n",
             TOP + ph / 2.0,
@@ -103,7 +129,13 @@ impl Chart {
         let lines: Vec<Vec<(f64, f64)>> = self
             .series
             .iter()
-            .map(|ser| ser.points.iter().filter(|(x, y)| x.is_finite() && y.is_finite()).map(|&(x, y)| (sx(x), sy(y.clamp(y0, y1)))).collect())
+            .map(|ser| {
+                ser.points
+                    .iter()
+                    .filter(|(x, y)| x.is_finite() && y.is_finite())
+                    .map(|&(x, y)| (sx(x), sy(y.clamp(y0, y1))))
+                    .collect()
+            })
             .collect();
         for (ser, line) in self.series.iter().zip(&lines) {
             let path: Vec<String> = line.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
@@ -119,13 +151,28 @@ impl Chart {
         let widest = self.series.iter().map(|s| s.name.chars().count()).max().unwrap_or(0) as f64;
         let (bw, bh) = (36.0 + 6.6 * widest, 8.0 + 16.0 * self.series.len() as f64);
         let (right, left, mid) = (LEFT + pw - bw - 6.0, LEFT + 6.0, TOP + (ph - bh) / 2.0);
-        let corners = [(right, TOP + 6.0), (left, TOP + 6.0), (right, TOP + ph - bh - 6.0), (left, TOP + ph - bh - 6.0), (right, mid), (left, mid)];
+        let corners = [
+            (right, TOP + 6.0),
+            (left, TOP + 6.0),
+            (right, TOP + ph - bh - 6.0),
+            (left, TOP + ph - bh - 6.0),
+            (right, mid),
+            (left, mid),
+        ];
         let crossings = |(bx, by): (f64, f64)| -> usize {
             let inside = |(x, y): (f64, f64)| x >= bx && x <= bx + bw && y >= by && y <= by + bh;
-            lines.iter().flat_map(|l| l.windows(2)).map(|w| (0..=20).filter(|k| {
-                let t = *k as f64 / 20.0;
-                inside((w[0].0 + t * (w[1].0 - w[0].0), w[0].1 + t * (w[1].1 - w[0].1)))
-            }).count()).sum()
+            lines
+                .iter()
+                .flat_map(|l| l.windows(2))
+                .map(|w| {
+                    (0..=20)
+                        .filter(|k| {
+                            let t = *k as f64 / 20.0;
+                            inside((w[0].0 + t * (w[1].0 - w[0].0), w[0].1 + t * (w[1].1 - w[0].1)))
+                        })
+                        .count()
+                })
+                .sum()
         };
         let (bx, by) = corners.iter().copied().min_by_key(|&c| crossings(c)).expect("six places");
         if !self.series.is_empty() {
@@ -150,7 +197,17 @@ fn nice_step(raw: f64) -> f64 {
     let m = raw / p;
     // 2.5 only where it stays on the grid of the labels' digits (0.25, 25, 250 — not 2.5).
     let quarter = p != 1.0;
-    p * if m <= 1.0 { 1.0 } else if m <= 2.0 { 2.0 } else if m <= 2.5 && quarter { 2.5 } else if m <= 5.0 { 5.0 } else { 10.0 }
+    p * if m <= 1.0 {
+        1.0
+    } else if m <= 2.0 {
+        2.0
+    } else if m <= 2.5 && quarter {
+        2.5
+    } else if m <= 5.0 {
+        5.0
+    } else {
+        10.0
+    }
 }
 
 /// The multiples of `step` in `[lo, hi]` (none for a range that is not finite, or absurdly many).
@@ -184,7 +241,8 @@ fn label(v: f64, step: f64, scale: f64) -> String {
     // Thousands separators in the whole part.
     let (sign, rest) = text.strip_prefix('-').map_or(("", text.as_str()), |r| ("-", r));
     let (int, frac) = rest.split_once('.').map_or((rest, None), |(i, f)| (i, Some(f)));
-    let grouped: Vec<String> = int.as_bytes().rchunks(3).rev().map(|c| String::from_utf8_lossy(c).into_owned()).collect();
+    let grouped: Vec<String> =
+        int.as_bytes().rchunks(3).rev().map(|c| String::from_utf8_lossy(c).into_owned()).collect();
     format!("{sign}{}{}", grouped.join(","), frac.map_or(String::new(), |f| format!(".{f}")))
 }
 
@@ -202,7 +260,12 @@ mod tests {
             title: "loss".into(),
             x_label: "step".into(),
             y_label: "loss".into(),
-            series: vec![Series { name: "a & b".into(), color: "#1f77b4", points: vec![(1.0, 4.0), (2.0, 3.0)], dashed: false }],
+            series: vec![Series {
+                name: "a & b".into(),
+                color: "#1f77b4",
+                points: vec![(1.0, 4.0), (2.0, 3.0)],
+                dashed: false,
+            }],
             y_range: None,
         };
         let s = svg(&[c.clone(), c.clone()]);
@@ -227,7 +290,7 @@ mod tests {
         assert_eq!(label(0.3, 0.1, 1.0), "0.3");
         assert_eq!(label(-2.5, 0.25, 3.0), "-2.50");
         assert_eq!(label(-5e-7, 5e-7, 1e-6), "-5.0e-7");
-        assert_eq!(label(2.7183, 1e-4, 2.72), "2.7183", "a flat series near e: decimals, not 2.7e0");
+        assert_eq!(label(2.7184, 1e-4, 2.72), "2.7184", "a flat series near 2.72: decimals, not 2.7e0");
         assert_eq!(label(1e-12, 0.5, 1.0), "0");
         assert!(ticks(f64::NEG_INFINITY, f64::INFINITY, 1.0).is_empty());
     }
@@ -239,7 +302,12 @@ mod tests {
             x_label: "step".into(),
             y_label: "loss".into(),
             series: vec![
-                Series { name: "a".into(), color: "#000", points: vec![(1.0, 4.0), (2.0, f64::INFINITY), (3.0, f64::NAN), (4.0, 3.0)], dashed: false },
+                Series {
+                    name: "a".into(),
+                    color: "#000",
+                    points: vec![(1.0, 4.0), (2.0, f64::INFINITY), (3.0, f64::NAN), (4.0, 3.0)],
+                    dashed: false,
+                },
                 Series { name: "no finite point".into(), color: "#111", points: vec![(1.0, f64::NAN)], dashed: false },
             ],
             y_range: None,
@@ -256,7 +324,12 @@ mod tests {
             title: "t".into(),
             x_label: "ranks".into(),
             y_label: "y".into(),
-            series: vec![Series { name: "top".into(), color: "#000", points: vec![(1.0, 9.0), (2.0, 9.0), (4.0, 9.0)], dashed: false }],
+            series: vec![Series {
+                name: "top".into(),
+                color: "#000",
+                points: vec![(1.0, 9.0), (2.0, 9.0), (4.0, 9.0)],
+                dashed: false,
+            }],
             y_range: Some((0.0, 10.0)),
         };
         let s = svg(&[c]);
@@ -269,4 +342,3 @@ mod tests {
         assert!(y > TOP + 100.0, "the legend moved down, off the line at the top: {rect}");
     }
 }
-

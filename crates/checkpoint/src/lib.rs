@@ -1,4 +1,8 @@
-//! Sharded checkpoints that survive a killed rank and load at any world size.
+//! # fsdp-checkpoint — sharded checkpoint files
+//!
+//! Infrastructure, not a lesson: checkpoints that survive a killed rank and
+//! load at any world size. (The collective save and the checks before a
+//! resume are the harness's `save` and `resume`.)
 //!
 //! A checkpoint is a folder `DIR/step-000040/` holding one safetensors file
 //! per rank — that rank's shard of the fp32 master weights and of AdamW's `m`
@@ -20,7 +24,7 @@
 //!
 //! ```no_run
 //! use std::path::Path;
-//! let (meta, state) = fsdp_harness::checkpoint::read(Path::new("out/ckpt"), "--resume").unwrap();
+//! let (meta, state) = fsdp_checkpoint::read(Path::new("out/ckpt"), "--resume").unwrap();
 //! println!("{} at step {}, saved by {} ranks", meta.lesson, state.step, meta.world_size);
 //! ```
 use std::borrow::Cow;
@@ -33,7 +37,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use fsdp_comm::ShardLayout;
-use fsdp_gpt::checkpoint::write_atomically;
+use fsdp_gpt::weights_file::write_atomically;
 use fsdp_gpt::{GptConfig, ParamTable};
 
 /// The format written here; a checkpoint saying anything else is refused.
@@ -193,8 +197,10 @@ pub fn shard_bytes(pieces: &[ShardPiece], rank: usize, world: usize, step: u64) 
             bufs.push((format!("{}.{what}", p.name), data.iter().flat_map(|x| x.to_le_bytes()).collect()));
         }
     }
-    let views: Vec<(String, TensorView)> =
-        bufs.iter().map(|(n, b)| Ok((n.clone(), TensorView::new(Dtype::F32, vec![b.len() / 4], b)?))).collect::<anyhow::Result<_>>()?;
+    let views: Vec<(String, TensorView)> = bufs
+        .iter()
+        .map(|(n, b)| Ok((n.clone(), TensorView::new(Dtype::F32, vec![b.len() / 4], b)?)))
+        .collect::<anyhow::Result<_>>()?;
     let meta: HashMap<String, String> = [(SHARD_KEY.to_string(), shard_header(rank, world, step))].into();
     Ok(safetensors::serialize(views, Some(meta))?)
 }
@@ -228,7 +234,8 @@ pub fn commit(ckpt: &Path, meta: &Meta, keep: usize) -> anyhow::Result<PathBuf> 
     sync_dir(ckpt)?;
     write_atomically(&ckpt.join(LATEST), format!("{}\n", step_dir_name(meta.step)).as_bytes())?;
     sync_dir(ckpt)?;
-    prune(ckpt, keep, &done).with_context(|| format!("checkpoint {} is saved, but removing older ones failed", done.display()))?;
+    prune(ckpt, keep, &done)
+        .with_context(|| format!("checkpoint {} is saved, but removing older ones failed", done.display()))?;
     Ok(done)
 }
 
@@ -245,7 +252,8 @@ pub fn abandon_from(ckpt: &Path, step: u64) -> anyhow::Result<()> {
     }
     match keep.last().and_then(|p| p.file_name()).and_then(|n| n.to_str()) {
         Some(name) => write_atomically(&ckpt.join(LATEST), format!("{name}\n").as_bytes())?,
-        None => std::fs::remove_file(ckpt.join(LATEST)).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })?,
+        None => std::fs::remove_file(ckpt.join(LATEST))
+            .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })?,
     }
     sync_dir(ckpt)?;
     for p in abandon {
@@ -315,12 +323,19 @@ pub fn resolve(dir: &Path, flag: &str) -> anyhow::Result<PathBuf> {
         // checkpoint abandoned): the newest committed folder is complete.
         Err(_) => match list(dir).into_iter().rev().find(|p| p.join(META).is_file()) {
             Some(p) => return Ok(p),
-            None => bail!("{flag} {}: no checkpoint there (no meta.json, no `latest` pointer): pass the --ckpt folder of an earlier run", dir.display()),
+            None => bail!(
+                "{flag} {}: no checkpoint there (no meta.json, no `latest` pointer): pass the --ckpt folder of an earlier run",
+                dir.display()
+            ),
         },
     };
     let step_dir = dir.join(name.trim());
     if !step_dir.join(META).is_file() {
-        bail!("{flag} {}: `latest` names {}, which holds no meta.json: pass one of its step-* folders instead", dir.display(), name.trim());
+        bail!(
+            "{flag} {}: `latest` names {}, which holds no meta.json: pass one of its step-* folders instead",
+            dir.display(),
+            name.trim()
+        );
     }
     Ok(step_dir)
 }
@@ -330,8 +345,10 @@ pub fn resolve(dir: &Path, flag: &str) -> anyhow::Result<PathBuf> {
 pub fn read(dir: &Path, flag: &str) -> anyhow::Result<(Meta, Resumed)> {
     let dir = resolve(dir, flag)?;
     let at = dir.display().to_string();
-    let text = std::fs::read_to_string(dir.join(META)).with_context(|| format!("checkpoint {at}: cannot read meta.json"))?;
-    let meta: Meta = serde_json::from_str(&text).map_err(|e| anyhow!("checkpoint {at}: meta.json is not valid ({e})"))?;
+    let text =
+        std::fs::read_to_string(dir.join(META)).with_context(|| format!("checkpoint {at}: cannot read meta.json"))?;
+    let meta: Meta =
+        serde_json::from_str(&text).map_err(|e| anyhow!("checkpoint {at}: meta.json is not valid ({e})"))?;
     if meta.format != FORMAT {
         bail!("checkpoint {at}: format `{}`, this build reads `{FORMAT}`", meta.format);
     }
@@ -355,14 +372,23 @@ pub fn read(dir: &Path, flag: &str) -> anyhow::Result<(Meta, Resumed)> {
             bail!("checkpoint {at}: meta.json's layout is inconsistent (unit `{}`)", u.name);
         }
     }
-    if seen.iter().any(|s| !s) || meta.world_size == 0 || meta.files.len() != meta.world_size || meta.sum_groups == 0 || meta.adamw.t as u64 != meta.step {
+    if seen.iter().any(|s| !s)
+        || meta.world_size == 0
+        || meta.files.len() != meta.world_size
+        || meta.sum_groups == 0
+        || meta.adamw.t as u64 != meta.step
+    {
         bail!("checkpoint {at}: meta.json's layout, file list or counters are inconsistent");
     }
     // Shard r must be rank r's file: a swapped or renamed file would put
     // every element of its shard in the wrong place, silently.
     for (r, f) in meta.files.iter().enumerate() {
         if f.rank != r || f.path != shard_file_name(r, meta.world_size) {
-            bail!("checkpoint {at}: meta.json lists {} as rank {}'s shard at position {r}: the file list is out of order", f.path, f.rank);
+            bail!(
+                "checkpoint {at}: meta.json lists {} as rank {}'s shard at position {r}: the file list is out of order",
+                f.path,
+                f.rank
+            );
         }
     }
     let (mut master, mut m, mut v) = (vec![0f32; numel], vec![0f32; numel], vec![0f32; numel]);
@@ -370,29 +396,51 @@ pub fn read(dir: &Path, flag: &str) -> anyhow::Result<(Meta, Resumed)> {
         let path = dir.join(&f.path);
         let data = std::fs::read(&path).map_err(|e| anyhow!("checkpoint {at}: cannot read shard {} ({e})", f.path))?;
         if data.len() as u64 != f.bytes {
-            bail!("checkpoint {at}: shard {} is {} bytes, meta.json says {}: the file is truncated or replaced", f.path, data.len(), f.bytes);
+            bail!(
+                "checkpoint {at}: shard {} is {} bytes, meta.json says {}: the file is truncated or replaced",
+                f.path,
+                data.len(),
+                f.bytes
+            );
         }
         if sha256_hex(&data) != f.sha256 {
             bail!("checkpoint {at}: shard {} fails its SHA-256 check: the file is corrupt", f.path);
         }
-        let st = SafeTensors::deserialize(&data).map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
-        let (_, header) = SafeTensors::read_metadata(&data).map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
+        let st = SafeTensors::deserialize(&data)
+            .map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
+        let (_, header) = SafeTensors::read_metadata(&data)
+            .map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
         let expected = shard_header(f.rank, meta.world_size, meta.step);
         if header.metadata().as_ref().and_then(|m| m.get(SHARD_KEY)) != Some(&expected) {
-            bail!("checkpoint {at}: shard {} was not written by rank {} of {} at step {}", f.path, f.rank, meta.world_size, meta.step);
+            bail!(
+                "checkpoint {at}: shard {} was not written by rank {} of {} at step {}",
+                f.path,
+                f.rank,
+                meta.world_size,
+                meta.step
+            );
         }
         for u in &meta.units {
             let layout = ShardLayout::new(u.numel, meta.world_size);
             let shard = layout.shard(f.rank);
             for (what, full) in [("master", &mut master), ("m", &mut m), ("v", &mut v)] {
                 let name = format!("{}.{what}", u.name);
-                let t = st.tensor(&name).map_err(|_| anyhow!("checkpoint {at}: shard {} has no tensor `{name}`", f.path))?;
+                let t = st
+                    .tensor(&name)
+                    .map_err(|_| anyhow!("checkpoint {at}: shard {} has no tensor `{name}`", f.path))?;
                 if t.dtype() != Dtype::F32 || t.shape() != [layout.shard_len] {
-                    bail!("checkpoint {at}: tensor `{name}` in {} is {:?} {:?}, expected F32 [{}]", f.path, t.dtype(), t.shape(), layout.shard_len);
+                    bail!(
+                        "checkpoint {at}: tensor `{name}` in {} is {:?} {:?}, expected F32 [{}]",
+                        f.path,
+                        t.dtype(),
+                        t.shape(),
+                        layout.shard_len
+                    );
                 }
                 // Element j of my shard is element offset + j of the unit's
                 // flat vector; place the real ones (not padding) in model order.
-                let values: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                let values: Vec<f32> =
+                    t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
                 place(&table, &u.params, shard.offset, &values, full);
             }
         }
@@ -444,7 +492,8 @@ mod tests {
 
     /// Writes a checkpoint of `step` the way the ranks and rank 0 do, at `world` ranks.
     fn write_checkpoint(dir: &Path, table: &ParamTable, state: [&[f32]; 3], world: usize, step: u64) -> Meta {
-        let units: Vec<(String, Vec<usize>)> = vec![("tail".into(), (40..table.specs.len()).collect()), ("head".into(), (0..40).rev().collect())];
+        let units: Vec<(String, Vec<usize>)> =
+            vec![("tail".into(), (40..table.specs.len()).collect()), ("head".into(), (0..40).rev().collect())];
         let partial = partial_dir(dir, step);
         std::fs::create_dir_all(&partial).unwrap();
         let mut files = vec![];
@@ -459,7 +508,12 @@ mod tests {
                 .collect();
             let bytes = shard_bytes(&pieces, r, world, step).unwrap();
             write_synced(&partial.join(shard_file_name(r, world)), &bytes).unwrap();
-            files.push(FileMeta { rank: r, path: shard_file_name(r, world), bytes: bytes.len() as u64, sha256: sha256_hex(&bytes) });
+            files.push(FileMeta {
+                rank: r,
+                path: shard_file_name(r, world),
+                bytes: bytes.len() as u64,
+                sha256: sha256_hex(&bytes),
+            });
         }
         let c = GptConfig::preset("tiny", 65).unwrap();
         let meta = Meta {
@@ -469,11 +523,36 @@ mod tests {
             world_size: world,
             sum_groups: world,
             sum_groups_given: false,
-            model: ModelMeta { preset: "tiny".into(), vocab_size: 65, block_size: c.block_size, n_layer: c.n_layer, n_head: c.n_head, n_embd: c.n_embd, params: table.numel() },
-            data: DataMeta { source: "generated".into(), vocab: String::new(), tokens: 0, tokens_digest: String::new(), batch_size: 1, seq_len: 1, micro_batches: world, seed: 1, next_step: step + 1 },
+            model: ModelMeta {
+                preset: "tiny".into(),
+                vocab_size: 65,
+                block_size: c.block_size,
+                n_layer: c.n_layer,
+                n_head: c.n_head,
+                n_embd: c.n_embd,
+                params: table.numel(),
+            },
+            data: DataMeta {
+                source: "generated".into(),
+                vocab: String::new(),
+                tokens: 0,
+                tokens_digest: String::new(),
+                batch_size: 1,
+                seq_len: 1,
+                micro_batches: world,
+                seed: 1,
+                next_step: step + 1,
+            },
             adamw: AdamWMeta { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, t: step as u32 },
             lesson_flags: vec![],
-            units: units.iter().map(|(n, p)| UnitMeta { name: n.clone(), params: p.clone(), numel: p.iter().map(|&i| table.specs[i].numel()).sum() }).collect(),
+            units: units
+                .iter()
+                .map(|(n, p)| UnitMeta {
+                    name: n.clone(),
+                    params: p.clone(),
+                    numel: p.iter().map(|&i| table.specs[i].numel()).sum(),
+                })
+                .collect(),
             files,
         };
         commit(dir, &meta, 2).unwrap();
@@ -496,7 +575,8 @@ mod tests {
         // A second save at 2 ranks, then --keep 2 and a third: the oldest goes.
         write_checkpoint(&dir, &table, [&m, &v, &master], 2, 8);
         write_checkpoint(&dir, &table, [&v, &master, &m], 1, 9);
-        let names: Vec<String> = list(&dir).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        let names: Vec<String> =
+            list(&dir).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
         assert_eq!(names, ["step-000008", "step-000009"]);
         assert_eq!(digest_f32(&read(&dir.join("step-000008"), "--resume").unwrap().1.master), digest_f32(&m));
         // No `latest` (a kill between a commit and the pointer): the newest committed folder.
@@ -520,7 +600,9 @@ mod tests {
             std::fs::create_dir_all(dir.join(step_dir_name(s))).unwrap();
         }
         std::fs::write(dir.join(LATEST), "step-1000000\n").unwrap();
-        let names = |d: &Path| list(d).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>();
+        let names = |d: &Path| {
+            list(d).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>()
+        };
         assert_eq!(names(&dir), ["step-000005", "step-999999", "step-1000000"], "by number, not by name");
         // Resumed at step 5 and saving step 6: the two later ones are abandoned.
         abandon_from(&dir, 6).unwrap();

@@ -30,11 +30,8 @@ pub struct Weights {
 /// one, never half of one.
 pub fn save(path: &Path, cfg: &GptConfig, vocab: &str, flat: &[f32]) -> Result<()> {
     let table = ParamTable::new(cfg);
-    let bytes: Vec<Vec<u8>> = table
-        .specs
-        .iter()
-        .map(|s| flat[s.range()].iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
+    let bytes: Vec<Vec<u8>> =
+        table.specs.iter().map(|s| flat[s.range()].iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let views: Vec<(String, TensorView)> = table
         .specs
         .iter()
@@ -63,7 +60,8 @@ pub fn save(path: &Path, cfg: &GptConfig, vocab: &str, flat: &[f32]) -> Result<(
 pub fn write_atomically(path: &Path, data: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{}.tmp{}", path.file_name().and_then(|n| n.to_str()).unwrap_or("out"), std::process::id()));
+    let tmp =
+        dir.join(format!(".{}.tmp{}", path.file_name().and_then(|n| n.to_str()).unwrap_or("out"), std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(data)?;
@@ -99,7 +97,11 @@ pub fn load(path: &Path) -> Result<Weights> {
     };
     let vocab = meta["vocab"].as_str().map(str::to_string).ok_or_else(|| err("metadata has no `vocab`".into()))?;
     if vocab.chars().count() != cfg.vocab_size {
-        return Err(err(format!("vocab has {} characters but vocab_size is {}", vocab.chars().count(), cfg.vocab_size)));
+        return Err(err(format!(
+            "vocab has {} characters but vocab_size is {}",
+            vocab.chars().count(),
+            cfg.vocab_size
+        )));
     }
     let st = SafeTensors::deserialize(&data).map_err(|e| err(format!("not a safetensors file ({e})")))?;
     let table = ParamTable::new(&cfg);
@@ -107,7 +109,13 @@ pub fn load(path: &Path) -> Result<Weights> {
     for s in &table.specs {
         let t = st.tensor(&s.name).map_err(|_| err(format!("tensor `{}` is missing", s.name)))?;
         if t.dtype() != Dtype::F32 || t.shape() != s.shape.as_slice() {
-            return Err(err(format!("tensor `{}` is {:?} {:?}, expected F32 {:?}", s.name, t.dtype(), t.shape(), s.shape)));
+            return Err(err(format!(
+                "tensor `{}` is {:?} {:?}, expected F32 {:?}",
+                s.name,
+                t.dtype(),
+                t.shape(),
+                s.shape
+            )));
         }
         for (x, b) in flat[s.range()].iter_mut().zip(t.data().chunks_exact(4)) {
             *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# `just diff NN`: what lesson NN adds over the lesson before it.
+#  1. its step — the `// ANCHOR: step` region of its idea file — against the
+#     previous lesson's: the algorithm's change, and nothing around it;
+#  2. the files it has that the previous lesson has no counterpart of, with
+#     their opening line and length.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+nn=${1:?usage: lesson-diff.sh NN}
+cur=$(ls -d crates/"$nn"-* 2>/dev/null | head -n1) || true
+last=$(ls -d crates/[0-9]* | tail -n1 | sed 's|crates/||' | cut -d- -f1)
+if [ -z "$cur" ] || [ "$nn" = "01" ]; then echo "error: pick a lesson from 02 to $last" >&2; exit 2; fi
+prev=$(ls -d crates/"$(printf '%02d' $((10#$nn - 1)))"-*)
+# The idea file: named after the crate (02-whole-model-shard → whole_model_shard.rs).
+idea() { local d=${1#crates/}; echo "$1/src/$(echo "${d#*-}" | tr - _).rs"; }
+step() { awk '/\/\/ ANCHOR: step$/{on=1; next} /\/\/ ANCHOR_END: step$/{on=0} on' "$1"; }
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+a="$tmp/${prev#crates/}"; b="$tmp/${cur#crates/}"
+step "$(idea "$prev")" > "$a"; step "$(idea "$cur")" > "$b"
+echo "== the step: $(idea "$prev") → $(idea "$cur")"
+diff -U2 --label "lesson ${prev#crates/}" --label "lesson ${cur#crates/}" "$a" "$b" || true
+echo
+echo "== what lesson $nn has besides (files with no counterpart in lesson ${prev#crates/})"
+for f in $(cd "$cur" && find src -name '*.rs' | sort); do
+    case "$f" in src/main.rs|src/lib.rs|src/exercises.rs|src/exercise_checks.rs) continue ;; esac
+    [ "$cur/$f" = "$(idea "$cur")" ] && continue
+    [ -e "$prev/$f" ] && continue
+    printf '  %-40s %4d lines  %s\n' "$cur/$f" "$(wc -l < "$cur/$f")" "$(grep -m1 '^//!' "$cur/$f" | sed 's|^//! *||')"
+done
