@@ -11,7 +11,7 @@
 #     saying so; the `cargo test … exercise_*` form must also pass with the
 #     answers (`--features <package>/solutions`).
 #  0. Every {{#include}} and its anchor, every image, every internal link
-#     resolves (tests/book.rs, also part of `just test`).
+#     resolves (tests/e2e/book.rs, also part of `just test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RAYON_NUM_THREADS=1 FSDP_PROGRESS=plain
@@ -26,10 +26,10 @@ listings=0
 commands=0
 if [[ " $parts " == *" links "* ]]; then
     echo "== 0. includes, anchors, images, internal links"
-    if cargo test --release -q --test book > "$scratch/links.log" 2>&1; then
-        echo "✓ $(grep -o '[0-9]* passed' "$scratch/links.log" | head -1) (tests/book.rs)"
+    if cargo test --release -q --test e2e book:: > "$scratch/links.log" 2>&1; then
+        echo "✓ $(grep -o '[0-9]* passed' "$scratch/links.log" | head -1) (tests/e2e/book.rs)"
     else
-        echo "✗ tests/book.rs:"; grep -E "panicked|assert" -A2 "$scratch/links.log" | head -20; fail=1
+        echo "✗ tests/e2e/book.rs:"; grep -E "panicked|assert" -A2 "$scratch/links.log" | head -20; fail=1
     fi
 fi
 if [[ " $parts " == *" listings "* ]]; then

@@ -81,12 +81,11 @@ impl DataParallel {
         drop(vars);
 
         // 2. all-reduce: the sum over ranks, then the mean
-        let sums = self.grads.sums();
-        match self.reduce {
-            Reduce::Ordered => s.world.all_reduce_groups(sums, &mut self.grad_shard),
-            Reduce::Native => s.world.all_reduce_native(&mut sums[0]),
-        }
-        let (m, grads) = (s.sampler.micro_batches, &mut sums[0][..numel]);
+        let grads = match self.reduce {
+            Reduce::Ordered => s.world.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
+            Reduce::Native => s.world.all_reduce_native(&mut self.grads.sums()[0]),
+        };
+        let (m, grads) = (s.sampler.micro_batches, &mut grads[..numel]);
         scale(grads, m);
 
         // 3. update: the same AdamW step on every rank

@@ -101,10 +101,8 @@ impl WholeModelShard {
         tl.mark("drop the full copy");
 
         // 3. all-reduce: the sum over ranks, then the mean
-        let sums = self.grads.sums();
-        w.all_reduce_groups(sums, &mut self.grad_shard);
+        let grads = w.all_reduce_sum(&mut self.grads, &mut self.grad_shard);
         let inv = 1.0 / s.sampler.micro_batches as f32;
-        let grads = &mut sums[0];
         grads.iter_mut().for_each(|g| *g *= inv);
         tl.mark("all-reduce the gradient");
 

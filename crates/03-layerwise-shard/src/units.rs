@@ -217,7 +217,7 @@ impl FsdpUnit {
     /// **reduce-scatter** the unit's gradient sum over my micro-batches
     /// (padded, whole unit): I keep my shard of the sum over all ranks.
     pub fn reduce_scatter(&mut self, w: &World, grads: &mut MicroBatchSum) {
-        w.reduce_scatter_groups(grads.sums(), &mut self.grad);
+        w.reduce_scatter_sum(grads, &mut self.grad);
     }
 
     /// AdamW on my shard, with the gradient scaled by `inv` (1 / micro-batches);

@@ -8,7 +8,7 @@ use mpi::traits::*;
 use thiserror::Error;
 
 use crate::layout::ShardLayout;
-use crate::reduce::sum_pairwise;
+use crate::reduce::{MicroBatchSum, sum_pairwise};
 use crate::traffic::{Collective, Traffic};
 
 #[derive(Debug, Error)]
@@ -155,7 +155,7 @@ impl World {
     /// tree over the groups in global order (rank 0's, then rank 1's, …). With one group per rank it
     /// is [`World::reduce_scatter`], bit for bit and byte for byte; with G
     /// groups in all, the sum no longer depends on how many ranks hold them.
-    pub fn reduce_scatter_groups(&self, groups: &[Vec<f32>], mine: &mut [f32]) {
+    fn reduce_scatter_groups(&self, groups: &[Vec<f32>], mine: &mut [f32]) {
         if let [only] = groups {
             return self.reduce_scatter(only, mine);
         }
@@ -189,10 +189,10 @@ impl World {
     }
     // ANCHOR_END: grouped_reduce_scatter
 
-    /// **all-reduce of several sums per rank**: [`World::reduce_scatter_groups`]
+    /// **all-reduce of several sums per rank**: `reduce_scatter_groups`
     /// into `shard`, then an all-gather into `groups[0]`, which ends up holding
     /// the sum over all groups of all ranks. With one group it is [`World::all_reduce`].
-    pub fn all_reduce_groups(&self, groups: &mut [Vec<f32>], shard: &mut [f32]) {
+    fn all_reduce_groups(&self, groups: &mut [Vec<f32>], shard: &mut [f32]) {
         if let [only] = groups {
             return self.all_reduce(only, shard);
         }
@@ -206,6 +206,22 @@ impl World {
                 self.comm.all_gather_into(&shard[..], &mut groups[0][..]);
             }
         });
+    }
+
+    /// **reduce-scatter of a gradient sum**: `grads` is this rank's sum of
+    /// its micro-batches' gradients (whole, padded vectors); afterwards
+    /// `mine` holds my shard of the sum over all ranks, in the step's one order.
+    pub fn reduce_scatter_sum(&self, grads: &mut MicroBatchSum, mine: &mut [f32]) {
+        self.reduce_scatter_groups(grads.sums(), mine);
+    }
+
+    /// **all-reduce of a gradient sum**: as [`World::reduce_scatter_sum`],
+    /// then an all-gather; returns the whole sum over all ranks (padded),
+    /// which `grads` holds. `shard` is the reduce-scatter's 1/N of it.
+    pub fn all_reduce_sum<'a>(&self, grads: &'a mut MicroBatchSum, shard: &mut [f32]) -> &'a mut [f32] {
+        let sums = grads.sums();
+        self.all_reduce_groups(sums, shard);
+        &mut sums[0]
     }
 
     /// **all-reduce**, ordered: `buf` becomes the element-wise sum over ranks,
@@ -230,14 +246,15 @@ impl World {
     /// MPI's own `MPI_Allreduce(SUM)`: typically faster, but its summation
     /// order is MPI's choice and differs between world sizes and from
     /// `MPI_Reduce_scatter` — kept only to measure against the ordered one.
-    pub fn all_reduce_native(&self, buf: &mut [f32]) {
+    pub fn all_reduce_native<'a>(&self, buf: &'a mut [f32]) -> &'a mut [f32] {
         let bytes = 2 * (self.size - 1) * buf.len().div_ceil(self.size) * F32;
         self.timed(Collective::AllReduce, bytes, bytes, || {
             if self.size > 1 {
                 let send = buf.to_vec();
-                self.comm.all_reduce_into(&send[..], buf, SystemOperation::sum());
+                self.comm.all_reduce_into(&send[..], &mut *buf, SystemOperation::sum());
             }
         });
+        buf
     }
 
     /// Sum of a few `f64` control values (losses, counters) in rank order.

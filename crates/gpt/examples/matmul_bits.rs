@@ -2,7 +2,7 @@
 //! by candle's own matmul and by ours (`fsdp_gpt::kernels::matmul`).
 //! candle's blocks the 1536-long contraction by the cache sizes it reads
 //! from the machine, so its digest can change with them; ours cannot.
-//! `tests/machine.rs` runs this under a faked cache topology.
+//! `tests/e2e/machine.rs` runs this under a faked cache topology.
 use candle_core::{Device, Tensor};
 use fsdp_gpt::params::digest_f32;
 use fsdp_gpt::rng::SplitMix64;

@@ -10,11 +10,10 @@
 //! the small preset, whose contractions (384, 1536) are longer than one of
 //! gemm's blocks, in fp32 and bf16: the same report, digest and losses as
 //! the committed snapshot.
-mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::*;
+use crate::common::*;
 
 /// A copy of /sys/devices/system/cpu (its readable files) whose L1d and L2
 /// sizes are another CPU's: 32K/512K (a Zen 3) unless the machine has those,

@@ -1,7 +1,6 @@
 //! Bad input: one clear line on rank 0 naming what to fix, exit code 2, no
 //! hung rank, no panic, no backtrace. Each case runs on several ranks.
-mod common;
-use common::*;
+use crate::common::*;
 
 #[test]
 fn more_ranks_than_micro_batches() {

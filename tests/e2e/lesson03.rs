@@ -1,7 +1,6 @@
 //! Lesson 03, layer-wise shard: one unit unsharded at a time, the same bits
 //! as lesson 01, and a measured peak below lesson 02's.
-mod common;
-use common::*;
+use crate::common::*;
 
 const PKG: &str = "step03-layerwise-shard";
 

@@ -1,7 +1,6 @@
 //! Lesson 02, whole-model shard: 1/N of the master weights per rank, and
 //! the same bits as lesson 01.
-mod common;
-use common::*;
+use crate::common::*;
 
 const PKG: &str = "step02-whole-model-shard";
 

@@ -1,8 +1,7 @@
 //! Lesson 04, optimizer-state shard: ZeRO stages 1, 2, 3 give lesson 01's
 //! bits under the same precision; the tallies, the bf16 wire bytes, the
 //! memory budget and `zero-tally`.
-mod common;
-use common::*;
+use crate::common::*;
 
 const PKG: &str = "step04-optimizer-state-shard";
 

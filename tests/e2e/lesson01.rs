@@ -1,6 +1,5 @@
 //! Lesson 01, data parallelism: the oracle every other lesson is measured against.
-mod common;
-use common::*;
+use crate::common::*;
 
 const PKG: &str = "step01-data-parallel";
 

@@ -2,13 +2,12 @@
 //! ranks continues at M ranks bit for bit; a killed rank ends the job and the
 //! last checkpoint resumes; a kill during a save leaves the previous one; a
 //! damaged or mismatched checkpoint is refused with one line, touching nothing.
-mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// Small steps: 24 micro-batches of 2 × 16 tokens (1, 2, 3, 4 ranks divide them).
 const RUN: &[&str] = &["--batch-size", "2", "--seq-len", "16", "--micro-batches", "24", "--log-every", "1"];
