@@ -115,7 +115,7 @@ check-bits: build
     #!/usr/bin/env bash
     set -uo pipefail
     mkdir -p out
-    bash book/check-bits.sh > out/check-bits.txt
+    bash book/check-bits.sh > out/check-bits.txt || { echo "error: the reference runs failed (see above)" >&2; exit 2; }
     cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
     if diff -u book/src/generated/check-bits.txt out/check-bits.txt > out/check-bits.diff; then
         cat out/check-bits.txt

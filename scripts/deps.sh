@@ -28,7 +28,10 @@ has() { command -v "$1" >/dev/null 2>&1; }
 # library libclang-cpp.so.14, which some images ship alone, is not it.
 has_libclang() {
     local dirs=() d f
-    [ -n "${LIBCLANG_PATH:-}" ] && [ -z "$root" ] && dirs+=("$LIBCLANG_PATH")
+    if [ -n "${LIBCLANG_PATH:-}" ] && [ -z "$root" ]; then
+        [ -f "$LIBCLANG_PATH" ] && return 0 # clang-sys takes a file too
+        dirs+=("$LIBCLANG_PATH")
+    fi
     dirs+=("$root"/usr/lib/llvm-*/lib "$root"/usr/lib/*-linux-gnu "$root"/usr/lib64 "$root"/usr/local/lib "$root"/usr/lib)
     for d in "${dirs[@]}"; do
         [ -d "$d" ] || continue
@@ -40,8 +43,10 @@ has_libclang() {
 }
 
 need=()
-# mpirun runs the lessons; mpicc (libopenmpi-dev) is how mpi-sys finds MPI's headers.
-{ has mpirun && has mpicc; } || need+=(openmpi-bin libopenmpi-dev)
+# Open MPI's mpirun runs the lessons (ompi_info tells it from MPICH's, which
+# knows none of the --mca flags the project uses); mpicc (libopenmpi-dev) is
+# how mpi-sys finds MPI's headers.
+{ has mpirun && has ompi_info && has mpicc; } || need+=(openmpi-bin libopenmpi-dev)
 has pkg-config || need+=(pkg-config)
 has_libclang || need+=(libclang-dev)
 if [ $browser -eq 1 ]; then

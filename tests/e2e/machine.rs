@@ -6,7 +6,7 @@
 //! The proof fakes another CPU: in a private mount namespace (`unshare -m`,
 //! root), a copy of /sys/devices/system/cpu with other L1d and L2 sizes is
 //! bind-mounted over the real one. First the control — candle's own matmul
-//! *does* change its bits there, so the fake is seen — then the lessons at
+//! *does* change its bits there, so the fake is seen — then lesson 01 at
 //! the small preset, whose contractions (384, 1536) are longer than one of
 //! gemm's blocks, in fp32 and bf16: the same report, digest and losses as
 //! the committed snapshot.
@@ -18,8 +18,8 @@ use crate::common::*;
 /// A copy of /sys/devices/system/cpu (its readable files) whose L1d and L2
 /// sizes are another CPU's: 32K/512K (a Zen 3) unless the machine has those,
 /// then 48K/2048K (an Intel core).
-fn fake_cpu_tree() -> PathBuf {
-    let dst = root().join("target/test-out/fake-cpu");
+fn fake_cpu_tree(name: &str) -> PathBuf {
+    let dst = root().join("target/test-out").join(name); // one per test: they run in parallel
     let _ = std::fs::remove_dir_all(&dst);
     copy_readable(Path::new("/sys/devices/system/cpu"), &dst);
     let real_l1 = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index0/size").unwrap_or_default();
@@ -85,7 +85,7 @@ fn digests(o: &Output) -> (String, String) {
 
 #[test]
 fn another_cache_topology_moves_candles_matmul_but_not_ours() {
-    let fake = fake_cpu_tree();
+    let fake = fake_cpu_tree("fake-cpu-matmul");
     let here = Command::new(example("matmul_bits")).env("RAYON_NUM_THREADS", "1").output().unwrap();
     let there = under_fake_cpu(&fake, &example("matmul_bits"), &[]);
     let ((candle_here, ours_here), (candle_there, ours_there)) = (digests(&here), digests(&there));
@@ -98,7 +98,14 @@ fn another_cache_topology_moves_candles_matmul_but_not_ours() {
 
 #[test]
 fn the_small_preset_in_fp32_and_bf16_computes_the_pinned_bits_under_another_cache_topology() {
-    let fake = fake_cpu_tree();
+    let fake = fake_cpu_tree("fake-cpu-lessons");
+    // The control, here too: gemm sees the fake cache sizes (else this proves nothing).
+    let here = Command::new(example("matmul_bits")).env("RAYON_NUM_THREADS", "1").output().unwrap();
+    assert_ne!(
+        digests(&here).0,
+        digests(&under_fake_cpu(&fake, &example("matmul_bits"), &[])).0,
+        "gemm must see the fake topology"
+    );
     for precision in ["fp32", "bf16"] {
         let name = format!("machine-small-{precision}");
         let args = [

@@ -48,7 +48,7 @@ impl FakeMachine {
     }
 }
 
-const ALL_COMMANDS: &[&str] = &["mpirun", "mpicc", "pkg-config", "chromium", "python3"];
+const ALL_COMMANDS: &[&str] = &["mpirun", "ompi_info", "mpicc", "pkg-config", "chromium", "python3"];
 
 #[test]
 fn libclang_cpp_alone_is_not_libclang() {
@@ -84,6 +84,7 @@ fn each_missing_command_names_its_package() {
     for (absent, packages) in [
         ("mpirun", &["openmpi-bin", "libopenmpi-dev"][..]),
         ("mpicc", &["openmpi-bin", "libopenmpi-dev"]),
+        ("ompi_info", &["openmpi-bin", "libopenmpi-dev"]), // an mpirun that is not Open MPI's
         ("pkg-config", &["pkg-config"]),
         ("chromium", &["chromium"]),
         ("python3", &["python3"]),
@@ -93,8 +94,11 @@ fn each_missing_command_names_its_package() {
         assert_eq!(m.missing(true), packages, "without {absent}");
     }
     // chromium-browser (Ubuntu's name) serves as well.
-    let m =
-        FakeMachine::new("chromium-browser", &lib, &["mpirun", "mpicc", "pkg-config", "chromium-browser", "python3"]);
+    let m = FakeMachine::new(
+        "chromium-browser",
+        &lib,
+        &["mpirun", "ompi_info", "mpicc", "pkg-config", "chromium-browser", "python3"],
+    );
     assert_eq!(m.missing(true), Vec::<String>::new());
 }
 

@@ -6,7 +6,7 @@
 //! 1. **forward/backward** on this rank's micro-batches (its share of the
 //!    global batch), summing their gradients locally;
 //! 2. **all-reduce** the gradient: every rank gets the sum over ranks, added
-//!    in rank order, then divides by the number of micro-batches;
+//!    as a fixed pairwise tree, then divides by the number of micro-batches;
 //! 3. **update**: every rank takes the same AdamW step on the same numbers,
 //!    so the replicas stay identical — which we check, bit for bit.
 //!

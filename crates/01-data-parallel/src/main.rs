@@ -23,7 +23,7 @@ struct Args {
     #[command(flatten)]
     train: TrainArgs,
     /// Run in one process, accumulating the micro-batches of N simulated ranks
-    /// and summing them in rank order: bit for bit what N ranks compute.
+    /// and adding their sums as N ranks would: bit for bit what N ranks compute.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
     accumulate: Option<u32>,
     /// How to all-reduce the gradient: ordered (bitwise reproducible) or native (MPI_Allreduce).
@@ -54,8 +54,8 @@ fn main() -> ExitCode {
             Ok(())
         };
         let mut train = args.train.clone();
-        if train.sum_groups.is_none() && train.resume.is_none() {
-            train.sum_groups = args.accumulate; // N simulated ranks sum in N groups (a checkpoint keeps its own)
+        if train.sum_groups.is_none() {
+            train.sum_groups = args.accumulate; // N simulated ranks sum in N groups, resumed or not
         }
         let (s, start) = Session::with_flags(
             world,

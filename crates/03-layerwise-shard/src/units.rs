@@ -39,11 +39,13 @@ pub fn unit_params(table: &ParamTable, n_layer: usize, blocks_per_unit: usize) -
 /// arguments of `fully_shard` and its `MixedPrecisionPolicy`).
 #[derive(Debug, Clone, Copy)]
 pub struct UnitPolicy {
-    /// `true` (this lesson): the unsharded parameters are freed after every
-    /// use and all-gathered again for the next, so a unit is gathered twice
-    /// per step. `false`: they are not freed; here they stay unsharded from
-    /// step to step, refreshed by one all-gather right after the update
-    /// (what lesson 04's ZeRO-1 and ZeRO-2 do).
+    /// `true` (this lesson, FSDP2's default): the unsharded parameters are
+    /// freed after every use and all-gathered again for the next, so a unit
+    /// is gathered twice per step. `false`: they are not freed after
+    /// forward. FSDP2 then frees them after backward and gathers again next
+    /// step; here they go further and stay unsharded from step to step,
+    /// refreshed by one all-gather right after the update (what ZeRO-1 and
+    /// ZeRO-2 do, lesson 04): the same bytes per step, gathered at another time.
     pub reshard_after_forward: bool,
     /// The dtype the parameters are all-gathered and computed in (the
     /// sharded master stays fp32): `F32` here, `BF16` under lesson 04's bf16.
@@ -197,12 +199,13 @@ impl FsdpUnit {
                 let r = run(w, overlap, &self.master, &mut full, work);
                 Ok((r, Tensor::from_vec(full, n, &Device::Cpu)?))
             }
-            _ => {
+            DType::BF16 => {
                 // bf16: the bits of each rounded fp32 element travel as u16.
                 let mut full = vec![0u16; n];
                 let r = run(w, overlap, &bf16_bits(&self.master), &mut full, work);
                 Ok((r, bf16_tensor(full)?))
             }
+            other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
         }
     }
     // ANCHOR_END: gather

@@ -62,7 +62,7 @@ fn main() -> ExitCode {
                 "precision",
                 format!("{}: compute copy and grads; fp32 master, gradient sums, AdamW m and v", args.precision),
             ),
-            ("gradient reduce dtype", "fp32, summed in rank order".to_string()),
+            ("gradient reduce dtype", "fp32, summed as a fixed pairwise tree".to_string()),
             ("prefetch", if args.prefetch && args.stage == 3 { "on".into() } else { "off".into() }),
         ]);
 

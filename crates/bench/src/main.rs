@@ -85,7 +85,10 @@ fn run(a: &Args) -> anyhow::Result<()> {
     unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
     std::fs::create_dir_all(&a.out)?;
     let peak = matmul_peak()?;
-    println!("single-thread f32 matmul peak of this machine (candle, 1024³, best of 5): {:.1} GFLOP/s\n", peak / 1e9);
+    println!(
+        "single-thread f32 matmul peak of this machine (the model's own kernel, 1024³, best of 5): {:.1} GFLOP/s\n",
+        peak / 1e9
+    );
     let bin = std::env::current_exe()?.parent().map(Path::to_path_buf).unwrap_or_default();
     let mut rows = vec![];
     let started = Instant::now();
@@ -221,7 +224,7 @@ fn row_of(lesson: &'static str, preset: &str, ranks: usize, r: &Value, warmup: u
 fn table(rows: &[Row], peak: f64) -> String {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut s = format!(
-        "This machine's single-thread f32 matmul rate (candle, 1024³, best of 5): **{:.1} GFLOP/s**; one compute thread per rank; {cores} cores. \
+        "This machine's single-thread f32 matmul rate (the model's own kernel, 1024³, best of 5): **{:.1} GFLOP/s**; one compute thread per rank; {cores} cores. \
          \"% of matmul peak\": the model FLOPs of a step (6 per parameter per token + attention) per second, per busy core, against that rate.\n\n",
         peak / 1e9
     );

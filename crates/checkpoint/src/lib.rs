@@ -41,7 +41,7 @@ use fsdp_gpt::weights_file::write_atomically;
 use fsdp_gpt::{GptConfig, ParamTable};
 
 /// The format written here; a checkpoint saying anything else is refused.
-pub const FORMAT: &str = "fsdp-from-scratch/checkpoint/v1";
+pub const FORMAT: &str = "fsdp-from-scratch/checkpoint/v2";
 const META: &str = "meta.json";
 const LATEST: &str = "latest";
 

@@ -102,6 +102,7 @@ impl<'w> Session<'w> {
         flags: &[(&str, String)],
     ) -> anyhow::Result<(Self, Start)> {
         let flags = flags.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        crate::stop::save_first(args.ckpt.is_some()); // a stop during setup must not cut it short either
         let result = Self::build(world, lesson, args, flags);
         let agreed = agree(world, result)?;
         // From here on an error may leave other ranks waiting in a
@@ -191,7 +192,6 @@ impl<'w> Session<'w> {
                 )
             }
         };
-        crate::stop::save_first(args.ckpt.is_some());
         let s = Self {
             world,
             lesson: *lesson,
@@ -275,7 +275,7 @@ impl<'w> Session<'w> {
             run.leave_out_pause(); // the save is not part of the next step's time
         }
         crate::stop::step_started(step + 1);
-        let Some(sig) = stop else { return Ok(()) };
+        let Some(sig) = stop.filter(|_| step < self.args.steps) else { return Ok(()) }; // after the last step: done anyway
         if self.world.is_root() {
             let how = crate::stop::cause(sig);
             match &self.args.ckpt {
@@ -284,9 +284,7 @@ impl<'w> Session<'w> {
                     dir.join(crate::checkpoint::step_dir_name(step)).display(),
                     dir.display()
                 ),
-                None => eprintln!(
-                    "stopped {how} after step {step}: nothing saved (pass --ckpt DIR to save a checkpoint when stopped)"
-                ),
+                None => eprintln!("stopped {how} after step {step}: {}", crate::stop::NOTHING_SAVED),
             }
         }
         crate::stop::exit_now(crate::stop::exit_code(sig))

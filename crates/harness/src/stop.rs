@@ -1,22 +1,24 @@
 //! A stopped job saves before it dies.
 //!
 //! Schedulers send SIGTERM before SIGKILL, and people press Ctrl-C. Under
-//! `mpirun` (Open MPI 4.1) the ranks never see either: mpirun sends each rank
-//! SIGCONT at once, SIGTERM `odls_base_sigkill_timeout` seconds later
-//! (default 1) and SIGKILL as long again after that. So a rank takes the
-//! *unexpected* SIGCONT as the stop request (one that follows a SIGTSTP is
-//! job control, and ignored), and SIGTERM or SIGINT as well (mpirun's last
-//! word, or a run without mpirun).
+//! `mpirun` (Open MPI 4.1) the ranks never see the Ctrl-C: mpirun sends each
+//! rank SIGCONT at once, SIGTERM `odls_base_sigkill_timeout` seconds later
+//! (default 1; the justfile sets 3) and SIGKILL as long again after that.
+//! SIGCONT alone is no stop (it also resumes a suspended job, and mpirun
+//! forwards it), so a rank stops on SIGTERM or SIGINT, and has the second
+//! interval to finish its step and save.
 //!
 //! The handler only records the signal: every rank finishes the step it is
 //! in, the ranks agree at the step's end ([`agreed`]), save a checkpoint
 //! with `--ckpt`, rank 0 prints one line, and all exit. A rank cannot tell
 //! mpirun's stop from mpirun tearing the job down because another rank
 //! failed (the same signals), so under mpirun it never exits from the
-//! handler: a torn-down job's ranks never reach the agreement, and the one
-//! line stays the failed rank's. Run without mpirun and without `--ckpt`,
-//! there is nothing to save or agree on: the process ends at once with one
-//! line, unless it is writing its outputs ([`while_writing`]), which finish first.
+//! handler: a torn-down job's ranks never reach the agreement, the one line
+//! stays the failed rank's, and they end at the SIGKILL. Run without mpirun
+//! and without `--ckpt`, there is nothing to save or agree on: the process
+//! ends at once with one line, unless it is writing its outputs
+//! ([`while_writing`]), which finish first. A stop agreed after the last
+//! step changes nothing: the run is done, and finishes.
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering::SeqCst};
 
 use fsdp_comm::World;
@@ -24,20 +26,15 @@ use fsdp_comm::World;
 static SIGNAL: AtomicI32 = AtomicI32::new(0);
 static SAVE_FIRST: AtomicBool = AtomicBool::new(false);
 static WRITING: AtomicBool = AtomicBool::new(false);
-static JOB_CONTROL: AtomicBool = AtomicBool::new(false);
 static ROOT: AtomicBool = AtomicBool::new(true);
 static UNDER_MPIRUN: AtomicBool = AtomicBool::new(false);
 static STEP: AtomicU64 = AtomicU64::new(0);
 
-/// Installs the handlers; `under_mpirun` makes an unexpected SIGCONT a stop request.
-pub fn install(is_root: bool, under_mpirun: bool) {
+/// Installs the handlers for SIGTERM and SIGINT.
+pub(crate) fn install(is_root: bool, under_mpirun: bool) {
     ROOT.store(is_root, SeqCst);
     UNDER_MPIRUN.store(under_mpirun, SeqCst);
-    let mut signals = vec![libc::SIGTERM, libc::SIGINT];
-    if under_mpirun {
-        signals.extend([libc::SIGCONT, libc::SIGTSTP]);
-    }
-    for sig in signals {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
         // SAFETY: the handler only touches atomics and calls async-signal-safe
         // functions (write, raise, _exit).
         unsafe {
@@ -51,26 +48,37 @@ pub fn install(is_root: bool, under_mpirun: bool) {
 }
 
 /// `--ckpt` given: a stop waits for the step's end and saves first.
-pub fn save_first(on: bool) {
+pub(crate) fn save_first(on: bool) {
     SAVE_FIRST.store(on, SeqCst);
 }
 
 /// The step being trained (for the line a stop prints).
-pub fn step_started(step: u64) {
+pub(crate) fn step_started(step: u64) {
     STEP.store(step, SeqCst);
 }
 
 /// Runs `f` (writing report files, a checkpoint) without being cut short by
-/// a stop: what is started is finished, nothing is left half-written.
+/// a stop: what is started is finished, nothing is left half-written; a
+/// stop that came meanwhile (run without mpirun and `--ckpt`) ends the
+/// process right after, as the handler would have.
 pub fn while_writing<R>(f: impl FnOnce() -> R) -> R {
     let before = WRITING.swap(true, SeqCst);
     let r = f();
     WRITING.store(before, SeqCst);
+    let alone = !before && !UNDER_MPIRUN.load(SeqCst) && !SAVE_FIRST.load(SeqCst);
+    if let Some(sig) = requested().filter(|_| alone) {
+        if ROOT.load(SeqCst) {
+            eprintln!("stopped {} during step {}: {NOTHING_SAVED}", cause(sig), STEP.load(SeqCst));
+        }
+        exit_now(exit_code(sig));
+    }
     r
 }
 
+pub(crate) const NOTHING_SAVED: &str = "nothing saved (pass --ckpt DIR to save a checkpoint when stopped)";
+
 /// The signal that asked this rank to stop, if any (this rank only).
-pub fn requested() -> Option<i32> {
+fn requested() -> Option<i32> {
     match SIGNAL.load(SeqCst) {
         0 => None,
         s => Some(s),
@@ -79,30 +87,30 @@ pub fn requested() -> Option<i32> {
 
 /// Whether any rank was asked to stop: every rank calls it at the same
 /// point of every step (a one-byte exchange, not counted as training traffic).
-pub fn agreed(world: &World) -> Option<i32> {
+pub(crate) fn agreed(world: &World) -> Option<i32> {
     let mine = requested().unwrap_or(0);
     let all = world.untracked(|| world.gather_control(&[mine]));
     all.into_iter().find(|&s| s != 0)
 }
 
-/// Who stopped the run, as a person knows it: mpirun's SIGCONT stands for
-/// the SIGTERM or SIGINT (Ctrl-C) mpirun itself received.
-pub fn cause(sig: i32) -> &'static str {
+/// Who stopped the run, as a person knows it: under mpirun, the SIGTERM
+/// stands for the SIGTERM or SIGINT (Ctrl-C) mpirun itself received.
+pub(crate) fn cause(sig: i32) -> &'static str {
     match sig {
+        _ if UNDER_MPIRUN.load(SeqCst) => "by mpirun (it got SIGTERM or SIGINT)",
         libc::SIGINT => "by SIGINT",
-        libc::SIGCONT => "by mpirun (it got SIGTERM or SIGINT)",
         _ => "by SIGTERM",
     }
 }
 
 /// The exit code of a run ended by `sig`: 128 + the signal, as a shell reports it.
-pub fn exit_code(sig: i32) -> i32 {
-    128 + if sig == libc::SIGCONT { libc::SIGTERM } else { sig }
+pub(crate) fn exit_code(sig: i32) -> i32 {
+    128 + sig
 }
 
 /// Ends this process now, without MPI's finalisation (which, while mpirun
 /// is killing the job, stalls for seconds): every rank has saved and agreed.
-pub fn exit_now(code: i32) -> ! {
+pub(crate) fn exit_now(code: i32) -> ! {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
@@ -111,18 +119,6 @@ pub fn exit_now(code: i32) -> ! {
 }
 
 extern "C" fn on_signal(sig: libc::c_int) {
-    match sig {
-        libc::SIGTSTP => {
-            // Job control: stop as the default action would; the SIGCONT that
-            // resumes us is not a stop request.
-            JOB_CONTROL.store(true, SeqCst);
-            // SAFETY: raise is async-signal-safe.
-            unsafe { libc::raise(libc::SIGSTOP) };
-            return;
-        }
-        libc::SIGCONT if JOB_CONTROL.swap(false, SeqCst) => return,
-        _ => {}
-    }
     let _ = SIGNAL.compare_exchange(0, sig, SeqCst, SeqCst);
     if UNDER_MPIRUN.load(SeqCst) || SAVE_FIRST.load(SeqCst) || WRITING.load(SeqCst) {
         return; // the step's end (or the writer) takes it from here
@@ -149,7 +145,9 @@ extern "C" fn on_signal(sig: libc::c_int) {
             }
         }
         put(&digits[d..]);
-        put(b": nothing saved (pass --ckpt DIR to save a checkpoint when stopped)\n");
+        put(b": ");
+        put(NOTHING_SAVED.as_bytes());
+        put(b"\n");
         // SAFETY: write(2) is async-signal-safe; `line` outlives the call.
         unsafe { libc::write(2, line.as_ptr().cast(), at) };
     }

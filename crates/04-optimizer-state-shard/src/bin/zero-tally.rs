@@ -41,29 +41,18 @@ fn parse_count(s: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
-    let a = match Args::try_parse() {
-        Ok(a) => a,
-        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => {
-            print!("{}", e.render());
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            let first = e
-                .render()
-                .to_string()
-                .lines()
-                .next()
-                .unwrap_or("bad arguments")
-                .trim_start_matches("error: ")
-                .to_string();
-            eprintln!("error: {first} (see --help)");
-            return ExitCode::from(2);
-        }
-    };
-    if !(a.k >= 0.0 && a.k.is_finite() && a.device_gb > 0.0 && a.device_gb.is_finite()) {
-        eprintln!("error: --k must be ≥ 0 and --device-gb > 0");
-        return ExitCode::from(2);
-    }
+    fsdp_harness::edge::tool_main(|a: Args| {
+        anyhow::ensure!(
+            a.k >= 0.0 && a.k.is_finite() && a.device_gb > 0.0 && a.device_gb.is_finite(),
+            "--k must be ≥ 0 and --device-gb > 0"
+        );
+        tally(&a);
+        Ok(())
+    })
+}
+
+/// The table, and which schemes fit the device.
+fn tally(a: &Args) {
     let formulas = ["(2 + 2 + K)·Ψ", "2Ψ + 2Ψ + K·Ψ/N", "2Ψ + (2 + K)·Ψ/N", "(2 + 2 + K)·Ψ/N"];
     println!(
         "Model states per device: Ψ = {} parameters on N = {} ranks; bf16 weights and gradients (2 + 2 bytes), K = {} bytes of optimizer state (fp32 master, AdamW m and v).\n",
@@ -93,5 +82,4 @@ fn main() -> ExitCode {
     println!(
         "GB = 10⁹ bytes. Activations, temporary buffers and fragmentation come on top; ZeRO-3's unsharded unit too."
     );
-    ExitCode::SUCCESS
 }
