@@ -323,12 +323,13 @@ fn rank_pid(ranks: &[u32], rank: usize) -> u32 {
 #[test]
 fn a_rank_killed_mid_run_ends_the_job_and_the_last_checkpoint_resumes_exactly() {
     let ck = ckpt_dir("sigkill");
+    // Open MPI's default teardown interval (1 s), whatever the caller's environment says (`just` sets 3).
     let mut job = spawn(
         "step03-layerwise-shard",
         2,
         &args("100000", &["--no-plot", "--ckpt", s(&ck), "--save-every", "2"]),
         "sigkill",
-        &[],
+        &[("OMPI_MCA_odls_base_sigkill_timeout", "1")],
     );
     // Wait for the checkpoint of step 4, then SIGKILL rank 1 (found by its OMPI_COMM_WORLD_RANK) while it trains.
     let t0 = Instant::now();

@@ -182,7 +182,7 @@ pub struct MicroBatchSum {
     stack: Vec<(Range<usize>, Vec<f32>)>,
     /// Finished group sums, one per group of mine, in order.
     sums: Vec<Vec<f32>>,
-    /// Buffers to reuse, so a step allocates nothing after the first.
+    /// Buffers to reuse: a sum kept from step to step (lessons 01, 02) allocates nothing after the first.
     spare: Vec<Vec<f32>>,
     added: usize,
 }
