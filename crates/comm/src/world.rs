@@ -143,9 +143,7 @@ impl World {
         let mut scratch = self.scratch.borrow_mut();
         scratch.resize(full.len(), 0.0);
         self.comm.all_to_all_into(full, &mut scratch[..]);
-        let mut parts: Vec<&mut [f32]> = scratch.chunks_exact_mut(mine.len()).collect();
-        sum_pairwise(&mut parts); // in place, into the first
-        mine.copy_from_slice(parts[0]);
+        sum_pairwise(&scratch.chunks_exact(mine.len()).collect::<Vec<_>>(), mine);
     }
     // ANCHOR_END: ordered_reduce_scatter
 
@@ -187,9 +185,7 @@ impl World {
         } else {
             self.comm.all_to_all_into(&send[..], &mut scratch[..]);
         }
-        let mut parts: Vec<&mut [f32]> = scratch.chunks_exact_mut(n).collect();
-        sum_pairwise(&mut parts); // in place, into the first
-        mine.copy_from_slice(parts[0]);
+        sum_pairwise(&scratch.chunks_exact(n).collect::<Vec<_>>(), mine);
     }
     // ANCHOR_END: grouped_reduce_scatter
 
