@@ -111,7 +111,9 @@ impl DataParallel {
         }
         drop(vars);
         let mut total = vec![0.0f32; numel];
-        sum_pairwise(&self.grads.sums().iter().map(|g| &g[..numel]).collect::<Vec<_>>(), &mut total);
+        let mut parts: Vec<&mut [f32]> = self.grads.sums().iter_mut().map(|g| &mut g[..numel]).collect();
+        sum_pairwise(&mut parts); // in place, into the first group's sum
+        total.copy_from_slice(parts[0]);
         let m = s.sampler.micro_batches;
         scale(&mut total, m);
         self.opt.step(&mut self.params, &total);

@@ -20,19 +20,16 @@
 use std::collections::HashSet;
 use std::ops::Range;
 
-/// `out = parts[0] + parts[1] + …`, added as a pairwise tree split at the
-/// midpoint: `sum(parts) = sum(left half) + sum(right half)`.
-pub fn sum_pairwise(parts: &[&[f32]], out: &mut [f32]) {
-    match parts {
-        [] => panic!("sum_pairwise: nothing to sum"),
-        [only] => out.copy_from_slice(only),
-        _ => {
-            let mid = parts.len() / 2;
-            sum_pairwise(&parts[..mid], out);
-            let mut right = vec![0f32; out.len()];
-            sum_pairwise(&parts[mid..], &mut right);
-            add_assign(out, &right);
-        }
+/// `parts[0] ← parts[0] + parts[1] + …`, added as a pairwise tree split at
+/// the midpoint: `sum(parts) = sum(left half) + sum(right half)`, each half
+/// summed into its own first part. In place: no buffer beyond the parts.
+pub fn sum_pairwise(parts: &mut [&mut [f32]]) {
+    assert!(!parts.is_empty(), "sum_pairwise: nothing to sum");
+    if parts.len() > 1 {
+        let (left, right) = parts.split_at_mut(parts.len() / 2);
+        sum_pairwise(left);
+        sum_pairwise(right);
+        add_assign(left[0], right[0]);
     }
 }
 
@@ -89,7 +86,7 @@ impl SumGroups {
 
     /// Every sum the whole step forms, as the range of micro-batches it
     /// covers: two plans give the same bits exactly when these sets are equal.
-    pub fn tree(&self) -> HashSet<Range<usize>> {
+    fn tree(&self) -> HashSet<Range<usize>> {
         let q = self.group_len();
         let mut nodes = HashSet::new();
         // The top of the tree, over whole groups …
@@ -230,15 +227,6 @@ impl MicroBatchSum {
         self.spare.extend(self.stack.drain(..).map(|(_, b)| b));
         self.added = 0;
     }
-
-    /// Elements per buffer.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 // ANCHOR_END: micro_batch_sum
 
@@ -271,9 +259,8 @@ mod tests {
             }
             all_groups.extend(s.sums().iter().cloned());
         }
-        let mut out = [0f32];
-        sum_pairwise(&all_groups.iter().map(Vec::as_slice).collect::<Vec<_>>(), &mut out);
-        out[0]
+        sum_pairwise(&mut all_groups.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>());
+        all_groups[0][0]
     }
 
     /// The tree written out by hand, recursively.
@@ -335,12 +322,12 @@ mod tests {
     #[test]
     fn pairwise_is_left_half_plus_right_half() {
         // (1e8 + 1) + (−1e8 + 0) … the tree fixes which additions round.
-        let (a, b, c, d) = ([1e8f32], [1f32], [-1e8f32], [0f32]);
-        let mut out = [0f32];
-        sum_pairwise(&[&a, &b, &c, &d], &mut out);
-        assert_eq!(out[0], (1e8f32 + 1.0) + (-1e8f32 + 0.0));
-        sum_pairwise(&[&a, &c, &b], &mut out);
-        assert_eq!(out[0], 1e8f32 + (-1e8f32 + 1.0));
+        let sum = |mut values: Vec<[f32; 1]>| {
+            sum_pairwise(&mut values.iter_mut().map(|v| &mut v[..]).collect::<Vec<_>>());
+            values[0][0]
+        };
+        assert_eq!(sum(vec![[1e8], [1.0], [-1e8], [0.0]]), (1e8f32 + 1.0) + (-1e8f32 + 0.0));
+        assert_eq!(sum(vec![[1e8], [-1e8], [1.0]]), 1e8f32 + (-1e8f32 + 1.0));
         assert!(nan_max(0.0, f32::NAN).is_nan() && nan_max(f32::NAN, 1.0).is_nan() && nan_max(1.0, 2.0) == 2.0);
     }
 }

@@ -143,7 +143,9 @@ impl World {
         let mut scratch = self.scratch.borrow_mut();
         scratch.resize(full.len(), 0.0);
         self.comm.all_to_all_into(full, &mut scratch[..]);
-        sum_pairwise(&scratch.chunks_exact(mine.len()).collect::<Vec<_>>(), mine);
+        let mut parts: Vec<&mut [f32]> = scratch.chunks_exact_mut(mine.len()).collect();
+        sum_pairwise(&mut parts); // in place, into the first
+        mine.copy_from_slice(parts[0]);
     }
     // ANCHOR_END: ordered_reduce_scatter
 
@@ -185,7 +187,9 @@ impl World {
         } else {
             self.comm.all_to_all_into(&send[..], &mut scratch[..]);
         }
-        sum_pairwise(&scratch.chunks_exact(n).collect::<Vec<_>>(), mine);
+        let mut parts: Vec<&mut [f32]> = scratch.chunks_exact_mut(n).collect();
+        sum_pairwise(&mut parts); // in place, into the first
+        mine.copy_from_slice(parts[0]);
     }
     // ANCHOR_END: grouped_reduce_scatter
 

@@ -35,6 +35,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod kernels;
+pub mod memory;
 pub mod model;
 pub mod params;
 pub mod precision;

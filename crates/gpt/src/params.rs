@@ -70,6 +70,22 @@ pub enum Unit {
 /// Parameters per block, in order (see the module docs).
 pub const PARAMS_PER_BLOCK: usize = 12;
 
+/// A block's parameters, in order (nanoGPT's names after `transformer.h.{i}.`).
+const BLOCK_PARAMS: [&str; PARAMS_PER_BLOCK] = [
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_attn.weight",
+    "attn.c_attn.bias",
+    "attn.c_proj.weight",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_fc.weight",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.weight",
+    "mlp.c_proj.bias",
+];
+
 /// The parameter table of one model shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamTable {
@@ -88,21 +104,22 @@ impl ParamTable {
             ("transformer.wpe.weight".into(), vec![cfg.block_size, c], Init::Normal(std)),
         ];
         for i in 0..cfg.n_layer {
-            let p = |s: &str| format!("transformer.h.{i}.{s}");
-            list.extend([
-                (p("ln_1.weight"), vec![c], Init::Ones),
-                (p("ln_1.bias"), vec![c], Init::Zeros),
-                (p("attn.c_attn.weight"), vec![3 * c, c], Init::Normal(std)),
-                (p("attn.c_attn.bias"), vec![3 * c], Init::Zeros),
-                (p("attn.c_proj.weight"), vec![c, c], Init::Normal(proj_std)),
-                (p("attn.c_proj.bias"), vec![c], Init::Zeros),
-                (p("ln_2.weight"), vec![c], Init::Ones),
-                (p("ln_2.bias"), vec![c], Init::Zeros),
-                (p("mlp.c_fc.weight"), vec![4 * c, c], Init::Normal(std)),
-                (p("mlp.c_fc.bias"), vec![4 * c], Init::Zeros),
-                (p("mlp.c_proj.weight"), vec![c, 4 * c], Init::Normal(proj_std)),
-                (p("mlp.c_proj.bias"), vec![c], Init::Zeros),
-            ]);
+            let inits = [
+                Init::Ones,
+                Init::Zeros,
+                Init::Normal(std),
+                Init::Zeros,
+                Init::Normal(proj_std),
+                Init::Zeros,
+                Init::Ones,
+                Init::Zeros,
+                Init::Normal(std),
+                Init::Zeros,
+                Init::Normal(proj_std),
+                Init::Zeros,
+            ];
+            let names = BLOCK_PARAMS.iter().map(|s| format!("transformer.h.{i}.{s}"));
+            list.extend(names.zip(Self::block_shapes(c)).zip(inits).map(|((n, s), i)| (n, s, i)));
         }
         list.push(("transformer.ln_f.weight".into(), vec![c], Init::Ones));
         list.push(("transformer.ln_f.bias".into(), vec![c], Init::Zeros));
@@ -117,6 +134,24 @@ impl ParamTable {
             })
             .collect();
         Self { specs, n_layer: cfg.n_layer }
+    }
+
+    /// The shapes of a block's parameters for width `c`, in order.
+    pub fn block_shapes(c: usize) -> [Vec<usize>; PARAMS_PER_BLOCK] {
+        [
+            vec![c],
+            vec![c],
+            vec![3 * c, c],
+            vec![3 * c],
+            vec![c, c],
+            vec![c],
+            vec![c],
+            vec![c],
+            vec![4 * c, c],
+            vec![4 * c],
+            vec![c, 4 * c],
+            vec![c],
+        ]
     }
 
     /// Total number of parameters (the flat vector's length, before any padding).

@@ -1,0 +1,900 @@
+//! What a forward/backward pass holds, from shapes alone.
+//!
+//! candle keeps every tensor the forward computes alive until the backward
+//! is done: each op records its inputs (`Arc`s) so that the backward can
+//! read them. Then the backward allocates the gradient of every node it
+//! passes, adds into sums and makes temporaries. How many bytes that is
+//! follows from the shapes and from what candle's ops do — which this
+//! module mirrors, op by op, without running any of them:
+//!
+//! - [`Graph`] records the ops of our model (the same calls as
+//!   [`crate::model`], with shapes instead of values): which allocate a new
+//!   buffer (a matmul, an add) and which are views (reshape of a
+//!   contiguous tensor, transpose, narrow, broadcast).
+//! - [`Graph::backward`] replays candle 0.11's `Tensor::backward` on it:
+//!   the same topological order, and for every op the buffers its gradient
+//!   rule allocates and frees, in order. The result is the highest number
+//!   of bytes the backward holds on top of the forward's.
+//!
+//! The tests hold both numbers against a counting allocator around the real
+//! model. A lesson adds them to its own buffers to predict its peak heap.
+use std::collections::HashMap;
+
+use crate::config::GptConfig;
+use crate::params::{PARAMS_PER_BLOCK, ParamTable};
+
+/// Gradient rules need to know which op made a node.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Op {
+    Leaf,
+    Binary(usize, usize, Bin),
+    Unary(usize, Un),
+    Affine(usize),
+    Sum(usize),
+    Max(usize),
+    Broadcast(usize),
+    Reshape(usize),
+    Transpose(usize),
+    /// `(arg, dim, start, len)`
+    Narrow(usize, usize, usize, usize),
+    Copy(usize),
+    IndexSelect(usize),
+    Gather(usize),
+    MatMul(usize, usize),
+    ToDType(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Bin {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Un {
+    Sqr,
+    Sqrt,
+    Exp,
+    Log,
+    GeluErf,
+}
+
+#[derive(Debug, Clone)]
+struct Node {
+    shape: Vec<usize>,
+    /// Bytes per element (4 for f32, 2 for bf16).
+    elem: usize,
+    /// Which buffer holds the values (views share their source's).
+    storage: usize,
+    contiguous: bool,
+    /// `None` when candle records no op (no input tracks a gradient).
+    op: Option<Op>,
+    var: bool,
+    /// Made before the pass (a `Var`, an input): not the pass's to count.
+    given: bool,
+}
+
+impl Node {
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    fn bytes(&self) -> usize {
+        self.numel() * self.elem
+    }
+    fn tracked(&self) -> bool {
+        self.var || self.op.is_some()
+    }
+}
+
+/// A tensor of a [`Graph`]: an index into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct T(usize);
+
+/// The ops of one forward pass, as shapes. Build it with the methods that
+/// mirror candle's (each says whether it allocates), then ask it what the
+/// forward keeps and what the backward needs.
+#[derive(Debug, Clone, Default)]
+pub struct Graph {
+    nodes: Vec<Node>,
+    /// Bytes of each buffer.
+    storages: Vec<usize>,
+    /// The highest transient bytes a forward op needed beyond its output
+    /// (the matmul's packed panels), with what was live at that moment.
+    forward_peak: usize,
+}
+
+/// What one forward/backward pass holds, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Footprint {
+    /// Buffers the graph keeps alive from the forward until the backward is
+    /// done (the activations), the `Var`s' own buffers excluded.
+    pub activations: usize,
+    /// The most the backward holds at once on top of the activations:
+    /// gradients in flight, the sums growing in the GradStore, temporaries.
+    pub backward_peak: usize,
+    /// What the GradStore still holds when backward returns: the `Var`s'
+    /// gradients ([`Footprint::var_grads`]) and the gradients candle keeps
+    /// for constants (the causal mask, broadcast to (B, nh, T, T)).
+    pub grad_store: usize,
+    pub var_grads: usize,
+}
+
+impl Footprint {
+    /// The peak of the pass above what was live before it.
+    pub fn peak(&self) -> usize {
+        self.activations + self.backward_peak
+    }
+}
+
+impl Graph {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn push(&mut self, shape: Vec<usize>, elem: usize, storage: Option<usize>, contiguous: bool, op: Op) -> T {
+        let inputs = op.inputs();
+        let tracked = inputs.iter().any(|&i| self.nodes[i].tracked());
+        let storage = storage.unwrap_or_else(|| {
+            self.storages.push(shape.iter().product::<usize>() * elem);
+            self.storages.len() - 1
+        });
+        let op = match op {
+            Op::Leaf => None,
+            op => tracked.then_some(op),
+        };
+        self.nodes.push(Node { shape, elem, storage, contiguous, op, var: false, given: false });
+        T(self.nodes.len() - 1)
+    }
+
+    fn n(&self, t: T) -> &Node {
+        &self.nodes[t.0]
+    }
+
+    pub fn shape(&self, t: T) -> &[usize] {
+        &self.n(t).shape
+    }
+
+    /// A `Var` (a parameter): its gradient is what backward is for.
+    pub fn var(&mut self, shape: &[usize], elem: usize) -> T {
+        let t = self.input(shape, elem);
+        self.nodes[t.0].var = true;
+        t
+    }
+
+    /// A tensor that exists before the pass and tracks nothing (an upstream
+    /// gradient): the pass reads it, it is counted elsewhere.
+    pub fn input(&mut self, shape: &[usize], elem: usize) -> T {
+        let t = self.push(shape.to_vec(), elem, None, true, Op::Leaf);
+        self.nodes[t.0].given = true;
+        t
+    }
+
+    /// A tensor the pass makes that tracks nothing (the causal mask).
+    pub fn constant(&mut self, shape: &[usize], elem: usize) -> T {
+        self.push(shape.to_vec(), elem, None, true, Op::Leaf)
+    }
+
+    fn alloc(&mut self, shape: Vec<usize>, elem: usize, op: Op) -> T {
+        self.push(shape, elem, None, true, op)
+    }
+
+    fn view(&mut self, of: T, shape: Vec<usize>, contiguous: bool, op: Op) -> T {
+        let (elem, storage) = (self.n(of).elem, self.n(of).storage);
+        self.push(shape, elem, Some(storage), contiguous, op)
+    }
+
+    fn binary(&mut self, a: T, b: T, op: Bin) -> T {
+        assert_eq!(self.n(a).shape, self.n(b).shape, "same-shape binary op");
+        self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::Binary(a.0, b.0, op))
+    }
+
+    pub fn add(&mut self, a: T, b: T) -> T {
+        self.binary(a, b, Bin::Add)
+    }
+
+    pub fn mul(&mut self, a: T, b: T) -> T {
+        self.binary(a, b, Bin::Mul)
+    }
+
+    /// `broadcast_as`: a view, and a node of its own.
+    pub fn broadcast_as(&mut self, a: T, shape: &[usize]) -> T {
+        self.view(a, shape.to_vec(), false, Op::Broadcast(a.0))
+    }
+
+    /// `broadcast_{add,sub,mul,div}`: each side that needs it is broadcast first.
+    fn broadcast_binary(&mut self, a: T, b: T, op: Bin) -> T {
+        let (sa, sb) = (self.n(a).shape.clone(), self.n(b).shape.clone());
+        let rank = sa.len().max(sb.len());
+        let dim = |s: &[usize], i: usize| if i + s.len() < rank { 1 } else { s[i + s.len() - rank] };
+        let shape: Vec<usize> = (0..rank).map(|i| dim(&sa, i).max(dim(&sb, i))).collect();
+        let a = if sa != shape { self.broadcast_as(a, &shape) } else { a };
+        let b = if sb != shape { self.broadcast_as(b, &shape) } else { b };
+        self.binary(a, b, op)
+    }
+
+    pub fn broadcast_add(&mut self, a: T, b: T) -> T {
+        self.broadcast_binary(a, b, Bin::Add)
+    }
+    pub fn broadcast_sub(&mut self, a: T, b: T) -> T {
+        self.broadcast_binary(a, b, Bin::Sub)
+    }
+    pub fn broadcast_mul(&mut self, a: T, b: T) -> T {
+        self.broadcast_binary(a, b, Bin::Mul)
+    }
+    pub fn broadcast_div(&mut self, a: T, b: T) -> T {
+        self.broadcast_binary(a, b, Bin::Div)
+    }
+
+    fn unary(&mut self, a: T, op: Un) -> T {
+        self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::Unary(a.0, op))
+    }
+
+    /// `x * s`, `x + s`, `x / s` with a scalar `s`.
+    pub fn affine(&mut self, a: T) -> T {
+        self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::Affine(a.0))
+    }
+
+    fn keepdim(&self, a: T, dim: usize) -> Vec<usize> {
+        let mut s = self.n(a).shape.clone();
+        s[dim] = 1;
+        s
+    }
+
+    pub fn sum_keepdim(&mut self, a: T, dim: usize) -> T {
+        let s = self.keepdim(a, dim);
+        self.alloc(s, self.n(a).elem, Op::Sum(a.0))
+    }
+
+    pub fn max_keepdim(&mut self, a: T, dim: usize) -> T {
+        let s = self.keepdim(a, dim);
+        self.alloc(s, self.n(a).elem, Op::Max(a.0))
+    }
+
+    /// `mean_keepdim`: a sum, then a scalar multiply.
+    pub fn mean_keepdim(&mut self, a: T, dim: usize) -> T {
+        let s = self.sum_keepdim(a, dim);
+        self.affine(s)
+    }
+
+    /// `sum_all`: one sum over every dimension, then a reshape to a scalar.
+    pub fn sum_all(&mut self, a: T) -> T {
+        let ones = vec![1; self.n(a).shape.len()];
+        let s = self.alloc(ones, self.n(a).elem, Op::Sum(a.0));
+        self.reshape(s, &[])
+    }
+
+    /// A view when the input is contiguous, a copy otherwise.
+    pub fn reshape(&mut self, a: T, shape: &[usize]) -> T {
+        match self.n(a).contiguous {
+            true => self.view(a, shape.to_vec(), true, Op::Reshape(a.0)),
+            false => self.alloc(shape.to_vec(), self.n(a).elem, Op::Reshape(a.0)),
+        }
+    }
+
+    /// Swaps two dimensions: always a view.
+    pub fn transpose(&mut self, a: T, d1: usize, d2: usize) -> T {
+        let mut s = self.n(a).shape.clone();
+        s.swap(d1, d2);
+        let contiguous = self.n(a).shape[d1] == 1 || self.n(a).shape[d2] == 1;
+        self.view(a, s, contiguous && self.n(a).contiguous, Op::Transpose(a.0))
+    }
+
+    /// `t()`: the last two dimensions swapped.
+    pub fn t(&mut self, a: T) -> T {
+        let r = self.n(a).shape.len();
+        self.transpose(a, r - 2, r - 1)
+    }
+
+    pub fn contiguous(&mut self, a: T) -> T {
+        match self.n(a).contiguous {
+            true => a,
+            false => self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::Copy(a.0)),
+        }
+    }
+
+    /// A view; the whole dimension is the tensor itself.
+    pub fn narrow(&mut self, a: T, dim: usize, start: usize, len: usize) -> T {
+        let shape = self.n(a).shape.clone();
+        if start == 0 && len == shape[dim] {
+            return a;
+        }
+        let mut s = shape.clone();
+        s[dim] = len;
+        // A narrow of the first dimension (or after only ones) stays contiguous.
+        let contiguous = self.n(a).contiguous && shape[..dim].iter().all(|&d| d == 1);
+        self.view(a, s, contiguous, Op::Narrow(a.0, dim, start, len))
+    }
+
+    /// `embedding`: one row of `table` per id.
+    pub fn index_select(&mut self, table: T, ids: usize) -> T {
+        let c = self.n(table).shape[1];
+        self.alloc(vec![ids, c], self.n(table).elem, Op::IndexSelect(table.0))
+    }
+
+    /// `gather` along the last dimension, one element per row.
+    pub fn gather_one(&mut self, a: T) -> T {
+        let rows = self.n(a).shape[0];
+        self.alloc(vec![rows, 1], self.n(a).elem, Op::Gather(a.0))
+    }
+
+    /// [`crate::kernels::matmul`]: its output, and its packed panels for the
+    /// time it runs.
+    pub fn matmul(&mut self, a: T, b: T) -> T {
+        let (sa, sb) = (&self.n(a).shape, &self.n(b).shape);
+        let mut s = sa[..sa.len() - 1].to_vec();
+        s.push(sb[sb.len() - 1]);
+        let elem = self.n(a).elem;
+        let (m, k, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
+        let out = s.iter().product::<usize>();
+        let live: usize = self.storages.iter().sum();
+        self.forward_peak = self.forward_peak.max(live + matmul_transient(m, k, n, out, elem));
+        self.alloc(s, elem, Op::MatMul(a.0, b.0))
+    }
+
+    pub fn to_dtype(&mut self, a: T, elem: usize) -> T {
+        match self.n(a).elem == elem {
+            true => a,
+            false => self.alloc(self.n(a).shape.clone(), elem, Op::ToDType(a.0)),
+        }
+    }
+
+    pub fn sqr(&mut self, a: T) -> T {
+        self.unary(a, Un::Sqr)
+    }
+    pub fn sqrt(&mut self, a: T) -> T {
+        self.unary(a, Un::Sqrt)
+    }
+    pub fn exp(&mut self, a: T) -> T {
+        self.unary(a, Un::Exp)
+    }
+    pub fn log(&mut self, a: T) -> T {
+        self.unary(a, Un::Log)
+    }
+    pub fn gelu_erf(&mut self, a: T) -> T {
+        self.unary(a, Un::GeluErf)
+    }
+
+    /// Buffers reachable from `root` through recorded ops, excluding those
+    /// of the `Var`s and inputs: what the graph keeps alive.
+    pub fn activations(&self, root: T) -> usize {
+        let mut seen = vec![false; self.nodes.len()];
+        let mut stores = vec![false; self.storages.len()];
+        let mut stack = vec![root.0];
+        let given: Vec<usize> = self.nodes.iter().filter(|n| n.given).map(|n| n.storage).collect();
+        while let Some(i) = stack.pop() {
+            if std::mem::replace(&mut seen[i], true) {
+                continue;
+            }
+            stores[self.nodes[i].storage] = true;
+            if let Some(op) = self.nodes[i].op {
+                stack.extend(op.inputs());
+            }
+        }
+        (0..self.storages.len()).filter(|&s| stores[s] && !given.contains(&s)).map(|s| self.storages[s]).sum()
+    }
+
+    /// The forward's highest transient above what it had built so far (the
+    /// matmul's packed panels), as a total of every buffer made until then.
+    pub fn forward_peak(&self) -> usize {
+        self.forward_peak
+    }
+
+    /// candle's `Tensor::sorted_nodes`: depth first from `root`, a node after
+    /// its inputs, then reversed; only nodes that lead to a `Var`.
+    fn sorted(&self, root: T) -> Vec<usize> {
+        fn walk(g: &Graph, i: usize, nodes: &mut Vec<usize>, seen: &mut HashMap<usize, bool>) -> bool {
+            if let Some(&tg) = seen.get(&i) {
+                return tg;
+            }
+            let n = &g.nodes[i];
+            let mut track = false;
+            if n.var {
+                track = true;
+            } else if let Some(op) = n.op {
+                for a in op.inputs() {
+                    track |= walk(g, a, nodes, seen);
+                }
+            }
+            seen.insert(i, track);
+            if track {
+                nodes.push(i);
+            }
+            track
+        }
+        let mut nodes = vec![];
+        walk(self, root.0, &mut nodes, &mut HashMap::new());
+        nodes.reverse();
+        nodes
+    }
+
+    /// Replays candle's backward from `root` (a scalar): the activations the
+    /// graph holds, the most the backward adds on top, what it leaves behind.
+    pub fn backward(&self, root: T) -> Footprint {
+        let mut b = Backward { g: self, grads: HashMap::new(), made: vec![], buffers: vec![], live: 0, peak: 0 };
+        let ones = b.new(self.nodes[root.0].bytes(), &[]); // ones_like(loss)
+        b.grads.insert(root.0, ones);
+        for i in self.sorted(root) {
+            let node = &self.nodes[i];
+            if node.var {
+                continue;
+            }
+            let held = b.grads.remove(&i).expect("every tracked node receives a gradient");
+            // candle detaches it, but the shadowed original (and the ops that
+            // made it) lives on until the end of the loop's iteration
+            let g = b.detach(held);
+            if let Some(op) = node.op {
+                b.rule(i, op, g);
+            }
+            b.drop_(g);
+            b.drop_(held);
+        }
+        let var_grads = b.grads.iter().filter(|(i, _)| self.nodes[**i].var).map(|(i, _)| self.nodes[*i].bytes()).sum();
+        Footprint { activations: self.activations(root), backward_peak: b.peak, grad_store: b.live, var_grads }
+    }
+}
+
+impl Op {
+    fn inputs(self) -> Vec<usize> {
+        match self {
+            Op::Leaf => vec![],
+            Op::Binary(a, b, _) | Op::MatMul(a, b) => vec![a, b],
+            Op::Unary(a, _)
+            | Op::Affine(a)
+            | Op::Sum(a)
+            | Op::Max(a)
+            | Op::Broadcast(a)
+            | Op::Reshape(a)
+            | Op::Transpose(a)
+            | Op::Narrow(a, ..)
+            | Op::Copy(a)
+            | Op::IndexSelect(a)
+            | Op::Gather(a)
+            | Op::ToDType(a) => vec![a],
+        }
+    }
+}
+
+/// Bytes our matmul allocates while it runs besides its output: the packed
+/// panels of `a` and `b`, and under bf16 the f32 products before rounding.
+fn matmul_transient(m: usize, k: usize, n: usize, out_elems: usize, elem: usize) -> usize {
+    const MR: usize = 6;
+    const NR: usize = 16;
+    let panels = 4 * (m.div_ceil(MR) * MR * k + n.div_ceil(NR) * NR * k);
+    match elem {
+        4 => panels,
+        _ => panels.max(2 * out_elems) + 4 * out_elems, // f32 products, then rounded into the output
+    }
+}
+
+/// Where a gradient rule's operand comes from: a forward tensor (alive for
+/// the whole backward) or a tensor the backward made.
+#[derive(Debug, Clone, Copy)]
+enum Src {
+    Fwd(usize),
+    New(usize),
+}
+
+/// A tensor made during the backward: its buffer, and — when one of its
+/// inputs tracks a gradient, so candle records the op — the inputs it keeps alive.
+#[derive(Debug)]
+struct Made {
+    storage: usize,
+    tracked: bool,
+    inputs: Vec<usize>,
+    refs: usize,
+}
+
+/// The state of a replayed backward: the GradStore (node → tensor), every
+/// tensor made so far with its reference count, and the bytes live.
+struct Backward<'g> {
+    g: &'g Graph,
+    grads: HashMap<usize, usize>,
+    made: Vec<Made>,
+    /// (bytes, references) of each buffer the backward allocated.
+    buffers: Vec<(usize, usize)>,
+    live: usize,
+    peak: usize,
+}
+
+impl Backward<'_> {
+    fn size(&self, i: usize) -> usize {
+        self.g.nodes[i].bytes()
+    }
+
+    fn tracks(&self, s: Src) -> bool {
+        match s {
+            Src::Fwd(i) => self.g.nodes[i].tracked(),
+            Src::New(t) => self.made[t].tracked,
+        }
+    }
+
+    /// A new tensor of `bytes` computed from `inputs` (held once, by the caller).
+    fn new(&mut self, bytes: usize, inputs: &[Src]) -> usize {
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+        self.buffers.push((bytes, 1));
+        self.with_storage(self.buffers.len() - 1, inputs)
+    }
+
+    fn with_storage(&mut self, storage: usize, inputs: &[Src]) -> usize {
+        let tracked = inputs.iter().any(|&s| self.tracks(s));
+        let mut kept = vec![];
+        if tracked {
+            for s in inputs {
+                if let Src::New(t) = *s {
+                    self.made[t].refs += 1;
+                    kept.push(t);
+                }
+            }
+        }
+        self.made.push(Made { storage, tracked, inputs: kept, refs: 1 });
+        self.made.len() - 1
+    }
+
+    /// `detach`: the same buffer, no op.
+    fn detach(&mut self, t: usize) -> usize {
+        let storage = self.made[t].storage;
+        self.buffers[storage].1 += 1;
+        self.with_storage(storage, &[])
+    }
+
+    /// Bytes allocated and freed inside one op (the matmul's panels).
+    fn transient(&mut self, bytes: usize) {
+        self.peak = self.peak.max(self.live + bytes);
+    }
+
+    fn drop_(&mut self, t: usize) {
+        let mut stack = vec![t];
+        while let Some(t) = stack.pop() {
+            self.made[t].refs -= 1;
+            if self.made[t].refs > 0 {
+                continue;
+            }
+            let st = self.made[t].storage;
+            self.buffers[st].1 -= 1;
+            if self.buffers[st].1 == 0 {
+                self.live -= self.buffers[st].0;
+            }
+            stack.extend(std::mem::take(&mut self.made[t].inputs));
+        }
+    }
+
+    /// `grads.or_insert(arg)`: zeros of `arg`'s shape the first time.
+    fn or_insert(&mut self, i: usize) {
+        if !self.grads.contains_key(&i) {
+            let z = self.new(self.size(i), &[]);
+            self.grads.insert(i, z);
+        }
+    }
+
+    /// `*sum = sum.add(&t)`: a new sum; the old one is kept only by the new
+    /// one's op, if `t` tracks.
+    fn add_into(&mut self, i: usize, t: Src) {
+        let old = self.grads[&i];
+        let new = self.new(self.size(i), &[Src::New(old), t]);
+        self.grads.insert(i, new);
+        self.drop_(old);
+    }
+
+    /// `or_insert` then `add`: the common accumulate.
+    fn acc(&mut self, i: usize, t: Src) {
+        self.or_insert(i);
+        self.add_into(i, t);
+    }
+
+    /// A matmul run in the backward: its transient, then its output.
+    fn matmul(&mut self, (m, k, n): (usize, usize, usize), batch: usize, elem: usize, inputs: &[Src]) -> usize {
+        let out = batch * m * n;
+        self.transient(matmul_transient(m, k, n, out, elem));
+        self.new(out * elem, inputs)
+    }
+
+    /// The gradient rule of `op` at node `i` (candle 0.11's `backward`),
+    /// with `g` the node's gradient (detached).
+    fn rule(&mut self, i: usize, op: Op, g: usize) {
+        let s = self.size(i); // the node's (and its gradient's) bytes
+        let (gs, node) = (Src::New(g), Src::Fwd(i));
+        match op {
+            Op::Leaf => {}
+            Op::Binary(l, r, Bin::Add | Bin::Sub) => {
+                self.acc(l, gs);
+                self.acc(r, gs);
+            }
+            Op::Binary(l, r, Bin::Mul) => {
+                let t1 = self.new(s, &[gs, Src::Fwd(r)]);
+                self.acc(l, Src::New(t1));
+                let t2 = self.new(s, &[gs, Src::Fwd(l)]);
+                self.acc(r, Src::New(t2));
+                self.drop_(t1);
+                self.drop_(t2);
+            }
+            Op::Binary(l, r, Bin::Div) => {
+                let t1 = self.new(s, &[gs, Src::Fwd(r)]); // grad / rhs
+                self.acc(l, Src::New(t1));
+                let a = self.new(s, &[gs, Src::Fwd(l)]); // grad * lhs
+                let b = self.new(s, &[Src::Fwd(r)]); // rhs.sqr()
+                let t2 = self.new(s, &[Src::New(a), Src::New(b)]);
+                self.drop_(a);
+                self.drop_(b);
+                self.acc(r, Src::New(t2)); // sub
+                self.drop_(t1);
+                self.drop_(t2);
+            }
+            Op::Unary(a, Un::Sqr | Un::Sqrt) => {
+                let m = self.new(s, &[Src::Fwd(a), node, gs]); // arg * grad, grad / node
+                let t = self.new(s, &[Src::New(m)]); // · 2, · 0.5
+                self.drop_(m);
+                self.acc(a, Src::New(t));
+                self.drop_(t);
+            }
+            Op::Unary(a, Un::Exp | Un::Log) => {
+                self.or_insert(a);
+                let t = self.new(s, &[gs, node]); // grad * node, grad / arg
+                self.add_into(a, Src::New(t));
+                self.drop_(t);
+            }
+            Op::Unary(a, Un::GeluErf) => {
+                self.or_insert(a);
+                let arg = Src::Fwd(a);
+                let chain = |b: &mut Self, first: &[Src], more: usize| -> usize {
+                    // ops applied one after the other; only the last is named
+                    let mut t = b.new(s, first);
+                    for _ in 0..more {
+                        let next = b.new(s, &[Src::New(t)]);
+                        b.drop_(t);
+                        t = next;
+                    }
+                    t
+                };
+                let nhs = chain(self, &[arg], 2); // (arg.sqr().neg() / 2)
+                let e = chain(self, &[Src::New(nhs)], 1); // 0.398942 * nhs.exp()
+                let sea = self.new(s, &[Src::New(e), arg]); // … * arg
+                self.drop_(e);
+                let ass = self.new(s, &[arg]); // arg / √2
+                let ess = chain(self, &[Src::New(ass)], 1); // 0.5 * ass.erf()
+                let p = self.new(s, &[Src::New(sea)]); // 0.5 + sea
+                let geg = self.new(s, &[Src::New(p), Src::New(ess)]); // … + ess
+                self.drop_(p);
+                let t = self.new(s, &[gs, Src::New(geg)]); // grad * gelu_erf_grad
+                self.add_into(a, Src::New(t));
+                for x in [t, nhs, sea, ass, ess, geg] {
+                    self.drop_(x);
+                }
+            }
+            Op::Affine(a) => {
+                let t = self.new(s, &[gs]);
+                self.acc(a, Src::New(t));
+                self.drop_(t);
+            }
+            Op::Sum(a) | Op::Reshape(a) | Op::Transpose(a) | Op::Copy(a) => self.acc(a, gs), // views of grad
+            Op::Max(a) => {
+                let n = self.g.nodes[a].numel();
+                let sa = self.size(a);
+                let eq = self.new(n, &[node, Src::Fwd(a)]); // node.eq(arg): one byte per element
+                let f = self.new(sa, &[Src::New(eq)]); // to_dtype
+                let t = self.new(sa, &[Src::New(f), gs]); // · grad
+                self.drop_(eq);
+                self.drop_(f);
+                self.acc(a, Src::New(t));
+                self.drop_(t);
+            }
+            Op::Broadcast(a) => {
+                let t = self.new(self.size(a), &[gs]); // grad summed over the broadcast dims
+                self.acc(a, Src::New(t));
+                self.drop_(t);
+            }
+            Op::Narrow(a, dim, _start, len) => {
+                let arg = &self.g.nodes[a];
+                let (bytes, per) = (arg.bytes(), arg.bytes() / arg.shape[dim]);
+                let pads = self.new(per * (arg.shape[dim] - len), &[]); // zeros around `start..start + len`
+                let cat = self.new(bytes, &[]);
+                self.drop_(pads); // dropped with the match arm that made the cat
+                self.acc(a, Src::New(cat));
+                self.drop_(cat);
+            }
+            Op::IndexSelect(a) | Op::Gather(a) => self.acc(a, gs), // index_add / scatter_add onto the sum
+            Op::MatMul(a, b) => {
+                let (na, nb) = (&self.g.nodes[a], &self.g.nodes[b]);
+                let (ra, rb) = (na.shape.len(), nb.shape.len());
+                let (m, k, n) = (na.shape[ra - 2], na.shape[ra - 1], nb.shape[rb - 1]);
+                let batch: usize = na.shape[..ra - 2].iter().product();
+                let elem = na.elem;
+                let ga = self.matmul((m, n, k), batch, elem, &[gs, Src::Fwd(b)]); // grad @ bᵀ
+                let gb = self.matmul((k, m, n), batch, elem, &[Src::Fwd(a), gs]); // aᵀ @ grad
+                self.acc(a, Src::New(ga));
+                self.drop_(ga);
+                self.acc(b, Src::New(gb));
+                self.drop_(gb);
+            }
+            Op::ToDType(a) => {
+                self.or_insert(a);
+                let t = self.new(self.size(a), &[gs]); // grad.to_dtype(arg's)
+                self.add_into(a, Src::New(t));
+                self.drop_(t);
+            }
+        }
+    }
+}
+
+/// The model's ops on shapes: the same calls as [`crate::model::Gpt`].
+#[derive(Debug, Clone, Copy)]
+pub struct ModelShapes {
+    pub cfg: GptConfig,
+    /// Bytes per element of the compute copy: 4 (fp32) or 2 (bf16).
+    pub elem: usize,
+}
+
+impl ModelShapes {
+    /// The parameter `Var`s of `table`, as graph leaves.
+    pub fn vars(&self, g: &mut Graph, table: &ParamTable) -> Vec<T> {
+        table.specs.iter().map(|s| g.var(&s.shape, self.elem)).collect()
+    }
+
+    fn layer_norm(&self, g: &mut Graph, x: T, w: T, b: T) -> T {
+        let last = g.shape(x).len() - 1;
+        let mean = g.mean_keepdim(x, last);
+        let xc = g.broadcast_sub(x, mean);
+        let sq = g.sqr(xc);
+        let var = g.mean_keepdim(sq, last);
+        let var = g.affine(var); // + eps
+        let std = g.sqrt(var);
+        let xn = g.broadcast_div(xc, std);
+        let y = g.broadcast_mul(xn, w);
+        g.broadcast_add(y, b)
+    }
+
+    fn linear(&self, g: &mut Graph, x: T, w: T, b: T) -> T {
+        let (bs, t, cin) = dims3(g.shape(x));
+        let out = g.shape(w)[0];
+        let x2 = g.reshape(x, &[bs * t, cin]);
+        let wt = g.t(w);
+        let y = g.matmul(x2, wt);
+        let y = g.broadcast_add(y, b);
+        g.reshape(y, &[bs, t, out])
+    }
+
+    /// Token + position embedding: ids (B, T) → (B, T, C).
+    pub fn embed(&self, g: &mut Graph, wte: T, wpe: T, (b, t): (usize, usize)) -> T {
+        let tok = g.index_select(wte, b * t);
+        let tok = g.reshape(tok, &[b, t, self.cfg.n_embd]);
+        let pos = g.narrow(wpe, 0, 0, t);
+        g.broadcast_add(tok, pos)
+    }
+
+    /// One block, `p` its 12 parameters: (B, T, C) → (B, T, C).
+    pub fn block(&self, g: &mut Graph, p: &[T], x: T) -> T {
+        assert_eq!(p.len(), PARAMS_PER_BLOCK);
+        let h = self.layer_norm(g, x, p[0], p[1]);
+        let a = self.attention(g, &p[2..6], h);
+        let x = g.add(x, a);
+        let h = self.layer_norm(g, x, p[6], p[7]);
+        let h = self.linear(g, h, p[8], p[9]);
+        let h = g.gelu_erf(h);
+        let h = self.linear(g, h, p[10], p[11]);
+        g.add(x, h)
+    }
+
+    fn attention(&self, g: &mut Graph, p: &[T], x: T) -> T {
+        let (b, t, c) = dims3(g.shape(x));
+        let (nh, hs) = (self.cfg.n_head, self.cfg.head_size());
+        let qkv = self.linear(g, x, p[0], p[1]);
+        let mut heads = [qkv; 3];
+        for (i, h) in heads.iter_mut().enumerate() {
+            let n = g.narrow(qkv, 2, i * c, c);
+            let r = g.reshape(n, &[b, t, nh, hs]);
+            let tr = g.transpose(r, 1, 2);
+            *h = g.contiguous(tr);
+        }
+        let [q, k, v] = heads;
+        let kt = g.t(k);
+        let att = g.matmul(q, kt);
+        let att = g.affine(att);
+        let mask = g.constant(&[t, t], self.elem); // the causal mask: no gradient of its own
+        let att = g.broadcast_add(att, mask);
+        // candle_nn::ops::softmax
+        let max = g.max_keepdim(att, 3);
+        let diff = g.broadcast_sub(att, max);
+        let num = g.exp(diff);
+        let den = g.sum_keepdim(num, 3);
+        let att = g.broadcast_div(num, den);
+        let y = g.matmul(att, v);
+        let y = g.transpose(y, 1, 2);
+        let y = g.reshape(y, &[b, t, c]);
+        self.linear(g, y, p[2], p[3])
+    }
+
+    /// Final LayerNorm and the tied head: (B, T, C) → logits (B, T, V).
+    pub fn head(&self, g: &mut Graph, ln_w: T, ln_b: T, wte: T, x: T) -> T {
+        let x = self.layer_norm(g, x, ln_w, ln_b);
+        let (b, t, c) = dims3(g.shape(x));
+        let x2 = g.reshape(x, &[b * t, c]);
+        let wt = g.t(wte);
+        let y = g.matmul(x2, wt);
+        g.reshape(y, &[b, t, self.cfg.vocab_size])
+    }
+
+    /// Mean cross-entropy, widened to f32 first: logits (B, T, V) → scalar.
+    pub fn loss(&self, g: &mut Graph, logits: T) -> T {
+        let logits = g.to_dtype(logits, 4);
+        let (b, t, v) = dims3(g.shape(logits));
+        let x = g.reshape(logits, &[b * t, v]);
+        // candle_nn::ops::log_softmax(x, 1), then nll
+        let max = g.max_keepdim(x, 1);
+        let diff = g.broadcast_sub(x, max);
+        let e = g.exp(diff);
+        let se = g.sum_keepdim(e, 1);
+        let lse = g.log(se);
+        let ls = g.broadcast_sub(diff, lse);
+        let picked = g.gather_one(ls);
+        let s = g.sum_all(picked);
+        g.affine(s)
+    }
+
+    /// The whole forward and loss on one (B, T) micro-batch, and its
+    /// backward: lesson 01's `forward_backward`.
+    pub fn whole_model(&self, table: &ParamTable, (b, t): (usize, usize)) -> Footprint {
+        let mut g = Graph::new();
+        let p = self.vars(&mut g, table);
+        let mut x = self.embed(&mut g, p[0], p[1], (b, t));
+        for l in 0..self.cfg.n_layer {
+            let first = 2 + l * PARAMS_PER_BLOCK;
+            x = self.block(&mut g, &p[first..first + PARAMS_PER_BLOCK], x);
+        }
+        let n = p.len();
+        let logits = self.head(&mut g, p[n - 2], p[n - 1], p[0], x);
+        let loss = self.loss(&mut g, logits);
+        g.backward(loss)
+    }
+
+    /// `blocks` blocks recomputed from a saved input made a `Var`, and the
+    /// backward of `sum(out · g)`: lesson 03's backward entry of a unit.
+    pub fn blocks_recomputed(&self, blocks: usize, (b, t): (usize, usize)) -> Footprint {
+        let mut g = Graph::new();
+        let c = self.cfg.n_embd;
+        let mut x = g.var(&[b, t, c], self.elem);
+        for _ in 0..blocks {
+            let p: Vec<T> = ParamTable::block_shapes(c).iter().map(|s| g.var(s, self.elem)).collect();
+            x = self.block(&mut g, &p, x);
+        }
+        let up = g.input(&[b, t, c], self.elem); // the upstream gradient
+        let prod = g.mul(x, up);
+        let root = g.sum_all(prod);
+        g.backward(root)
+    }
+
+    /// The final norm, the tied head and the loss from the last block's
+    /// output made a `Var`, and their backward: lesson 03's head entry.
+    pub fn head_and_loss(&self, (b, t): (usize, usize)) -> Footprint {
+        let mut g = Graph::new();
+        let c = self.cfg.n_embd;
+        let x = g.var(&[b, t, c], self.elem);
+        let (w, bias) = (g.var(&[c], self.elem), g.var(&[c], self.elem));
+        let wte = g.var(&[self.cfg.vocab_size, c], self.elem);
+        let logits = self.head(&mut g, w, bias, wte, x);
+        let loss = self.loss(&mut g, logits);
+        g.backward(loss)
+    }
+
+    /// The embedding's backward from stand-in rows: `sum((rows + wpe) · g)`,
+    /// lesson 03's last entry (its weights are not needed).
+    pub fn embedding_backward(&self, (b, t): (usize, usize)) -> Footprint {
+        let mut g = Graph::new();
+        let c = self.cfg.n_embd;
+        let rows = g.var(&[b * t, c], self.elem);
+        let wpe = g.var(&[self.cfg.block_size, c], self.elem);
+        let tok = g.reshape(rows, &[b, t, c]);
+        let pos = g.narrow(wpe, 0, 0, t);
+        let x = g.broadcast_add(tok, pos);
+        let up = g.input(&[b, t, c], self.elem);
+        let prod = g.mul(x, up);
+        let root = g.sum_all(prod);
+        g.backward(root)
+    }
+}
+
+fn dims3(s: &[usize]) -> (usize, usize, usize) {
+    assert_eq!(s.len(), 3, "a (B, T, C) tensor");
+    (s[0], s[1], s[2])
+}

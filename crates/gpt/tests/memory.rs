@@ -1,0 +1,155 @@
+//! The shape model of `fsdp_gpt::memory` against a counting allocator around
+//! the real model: what the forward keeps, the backward's peak on top of it
+//! and what the GradStore holds afterwards, for every pass the lessons run.
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+use candle_core::{DType, Device, Tensor, Var};
+use fsdp_gpt::memory::{Footprint, ModelShapes};
+use fsdp_gpt::model::{Gpt, loss};
+use fsdp_gpt::{GptConfig, ParamTable, Precision};
+
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(l) };
+        PEAK.fetch_max(LIVE.fetch_add(l.size(), Relaxed) + l.size(), Relaxed);
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) };
+        LIVE.fetch_sub(l.size(), Relaxed);
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// The tests share one counter: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn live() -> usize {
+    LIVE.load(Relaxed)
+}
+
+/// Measures a pass: `forward` builds the graph (returns its scalar root);
+/// the activations are what it left live, then the backward's peak above
+/// that, then what the GradStore holds.
+fn measure(forward: impl FnOnce() -> Tensor) -> Footprint {
+    let before = live();
+    let root = forward();
+    let activations = live() - before;
+    let at = live();
+    PEAK.store(at, Relaxed);
+    let grads = root.backward().unwrap();
+    let backward_peak = PEAK.load(Relaxed) - at;
+    let grad_store = live() - at;
+    drop(grads);
+    Footprint { activations, backward_peak, grad_store, var_grads: 0 }
+}
+
+/// At least the model, and within 1% + 16 KiB of it (the rest: candle's
+/// small allocations — shapes, `Arc`s, the GradStore's map — which the
+/// model leaves out by design).
+fn close(what: &str, measured: usize, model: usize) {
+    let r = measured as f64 / model as f64;
+    let ok = measured >= model && measured <= model + model / 100 + (16 << 10);
+    assert!(ok, "{what}: measured {measured} B, model {model} B (ratio {r:.4})");
+}
+
+fn check(what: &str, measured: Footprint, model: Footprint) {
+    close(&format!("{what}: activations"), measured.activations, model.activations);
+    close(&format!("{what}: backward peak"), measured.backward_peak, model.backward_peak);
+    close(&format!("{what}: GradStore"), measured.grad_store, model.grad_store);
+}
+
+fn randn(shape: &[usize], dtype: DType) -> Tensor {
+    Tensor::randn(0f32, 0.5, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+fn ids(b: usize, t: usize, v: usize) -> Tensor {
+    let x: Vec<u32> = (0..b * t).map(|i| (i * 7 % v) as u32).collect();
+    Tensor::from_vec(x, (b, t), &Device::Cpu).unwrap()
+}
+
+fn cases() -> Vec<(&'static str, usize, Precision)> {
+    vec![("tiny", 4, Precision::Fp32), ("tiny", 4, Precision::Bf16), ("small", 2, Precision::Fp32)]
+}
+
+#[test]
+fn the_whole_model_pass_holds_what_the_shapes_say() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (preset, b, precision) in cases() {
+        let cfg = GptConfig::preset(preset, 65).unwrap();
+        let (table, gpt, t) = (ParamTable::new(&cfg), Gpt::new(cfg), cfg.block_size);
+        let vars = gpt.vars_in(&table, &table.init_flat(1), precision).unwrap();
+        let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let (idx, tgt) = (ids(b, t, 65), ids(b, t, 64));
+        let measured = measure(|| loss(&gpt.forward(&table, &ps, &idx).unwrap(), &tgt).unwrap());
+        let model = ModelShapes { cfg, elem: precision.bytes() }.whole_model(&table, (b, t));
+        check(&format!("{preset} {precision} whole model"), measured, model);
+        assert_eq!(model.var_grads, table.numel() * precision.bytes());
+        // What stays beyond the Vars' gradients: one (B, nh, T, T) gradient
+        // per block for the causal mask, a constant candle still gives one.
+        let mask = b * cfg.n_head * t * t * precision.bytes();
+        assert_eq!(model.grad_store - model.var_grads, cfg.n_layer * mask);
+    }
+}
+
+#[test]
+fn a_unit_recomputed_from_its_input_holds_what_the_shapes_say() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (preset, b, precision) in cases() {
+        let cfg = GptConfig::preset(preset, 65).unwrap();
+        let (table, gpt, t, dt) = (ParamTable::new(&cfg), Gpt::new(cfg), cfg.block_size, precision.dtype());
+        for blocks in [1, 2] {
+            let p: Vec<Var> = (0..blocks)
+                .flat_map(|_| ParamTable::block_shapes(cfg.n_embd))
+                .map(|s| Var::from_tensor(&randn(&s, dt)).unwrap())
+                .collect();
+            let pt: Vec<Tensor> = p.iter().map(|v| v.as_tensor().clone()).collect();
+            let x = Var::from_tensor(&randn(&[b, t, cfg.n_embd], dt)).unwrap();
+            let g = randn(&[b, t, cfg.n_embd], dt);
+            let measured = measure(|| {
+                let mut y = x.as_tensor().clone();
+                for k in 0..blocks {
+                    y = gpt.block(&pt[k * 12..(k + 1) * 12], &y).unwrap();
+                }
+                (y * &g).unwrap().sum_all().unwrap()
+            });
+            let model = ModelShapes { cfg, elem: precision.bytes() }.blocks_recomputed(blocks, (b, t));
+            check(&format!("{preset} {precision} {blocks} block(s)"), measured, model);
+        }
+        let _ = table;
+    }
+}
+
+#[test]
+fn the_head_and_the_embedding_backward_hold_what_the_shapes_say() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (preset, b, precision) in cases() {
+        let cfg = GptConfig::preset(preset, 65).unwrap();
+        let (gpt, t, c, dt) = (Gpt::new(cfg), cfg.block_size, cfg.n_embd, precision.dtype());
+        let shapes = ModelShapes { cfg, elem: precision.bytes() };
+        let x = Var::from_tensor(&randn(&[b, t, c], dt)).unwrap();
+        let (w, bias) = (Var::ones(c, dt, &Device::Cpu).unwrap(), Var::zeros(c, dt, &Device::Cpu).unwrap());
+        let wte = Var::from_tensor(&randn(&[65, c], dt)).unwrap();
+        let tgt = ids(b, t, 64);
+        let measured = measure(|| {
+            let logits = gpt.head(w.as_tensor(), bias.as_tensor(), wte.as_tensor(), x.as_tensor()).unwrap();
+            loss(&logits, &tgt).unwrap()
+        });
+        check(&format!("{preset} {precision} head"), measured, shapes.head_and_loss((b, t)));
+
+        let rows = Var::zeros((b * t, c), dt, &Device::Cpu).unwrap();
+        let wpe = Var::zeros((t, c), dt, &Device::Cpu).unwrap();
+        let g = randn(&[b, t, c], dt);
+        let measured = measure(|| {
+            (gpt.add_positions(rows.as_tensor(), wpe.as_tensor(), (b, t)).unwrap() * &g).unwrap().sum_all().unwrap()
+        });
+        check(&format!("{preset} {precision} embedding backward"), measured, shapes.embedding_backward((b, t)));
+    }
+}
