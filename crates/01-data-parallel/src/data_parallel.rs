@@ -19,7 +19,7 @@ use fsdp_gpt::model::add_grads;
 use fsdp_gpt::params::digest_f32;
 use fsdp_gpt::{AdamW, Precision};
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
-use fsdp_harness::{MemoryTally, Session, Start};
+use fsdp_harness::{MemoryTally, Moment, Session, Start};
 
 /// How the gradient is all-reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -140,40 +140,43 @@ impl DataParallel {
         vec![ShardPiece::flat(&s.table, cut(&self.params), cut(&self.opt.m), cut(&self.opt.v))]
     }
 
-    /// Bytes this rank holds, by category, from shapes.
+    /// Bytes this rank holds, by category, from shapes: the replicated
+    /// state, and the step's peak — a micro-batch's backward, with the whole
+    /// model's compute copy and graph.
     pub fn tally(&self, s: &Session, simulated_ranks: Option<usize>) -> MemoryTally {
         let numel = s.table.numel();
-        let n = s.world.size();
+        let (n, padded) = (s.world.size(), self.grad_shard.len() * s.world.size());
+        let groups = s.sum_groups.per_rank();
         let mut t = MemoryTally::new();
         t.add("params (fp32)", numel, 4, "full copy on every rank")
-            .add(
-                &format!("params as candle Vars ({})", self.precision),
-                numel,
-                self.precision.bytes(),
-                "compute copy, rebuilt each step",
-            )
-            .add(
-                &format!("grads of one micro-batch ({})", self.precision),
-                numel,
-                self.precision.bytes(),
-                "candle's GradStore",
-            )
-            .add(
-                "grads (flat sum)",
-                s.sum_groups.buffers() * self.grad_shard.len() * n,
-                4,
-                &sums_note(s.sum_groups.buffers()),
-            )
             .add("AdamW m", numel, 4, "full")
-            .add("AdamW v", numel, 4, "full");
+            .add("AdamW v", numel, 4, "full")
+            .add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, &sums_note(s.sum_groups.buffers()))
+            .add("grad shard", self.grad_shard.len(), 4, "my 1/N inside the ordered all-reduce");
         if n > 1 && self.reduce == Reduce::Ordered {
-            let (groups, padded) = (s.sum_groups.per_rank(), self.grad_shard.len() * n);
-            let send = if groups > 1 { groups * padded } else { 0 }; // groups are packed per destination
-            t.add("comm buffers", groups * padded + send + self.grad_shard.len(), 4, "all-to-all receive + own shard");
+            t.add("all-to-all receive buffer", groups * padded, 4, "the reduce-scatter's input from every rank, kept");
+        }
+        s.data_tally(&mut t);
+        let mut peak = Moment::new("backward of a micro-batch");
+        peak.add(
+            &format!("params as candle Vars ({})", self.precision),
+            numel,
+            self.precision.bytes(),
+            "compute copy, rebuilt each step",
+        );
+        s.forward_backward_tally(&mut peak, self.precision.bytes());
+        let mut moments = vec![peak];
+        if groups > 1 && n > 1 {
+            let mut m = Moment::new("all-reduce of several group sums");
+            m.add("send buffer", groups * padded, 4, "group sums packed per destination");
+            moments.push(m);
         }
         if simulated_ranks.is_some() {
-            t.add("sum over the groups", numel, 4, "the simulated all-reduce's result");
+            let mut m = Moment::new("the update");
+            m.add("sum over the groups", numel, 4, "the simulated all-reduce's result");
+            moments.push(m);
         }
+        t.peak(moments);
         t
     }
 }

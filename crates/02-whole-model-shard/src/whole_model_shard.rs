@@ -17,7 +17,7 @@ use fsdp_comm::{MicroBatchSum, ShardLayout, World, nan_max};
 use fsdp_gpt::AdamW;
 use fsdp_gpt::model::add_grads;
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
-use fsdp_harness::{MemoryTally, MemoryTimeline, Session, Start};
+use fsdp_harness::{MemoryTally, MemoryTimeline, Moment, Session, Start};
 
 /// One rank's share of the training state.
 pub struct WholeModelShard {
@@ -142,30 +142,36 @@ impl WholeModelShard {
     }
 
     // ANCHOR: tally
-    /// Bytes this rank holds, by category, from shapes.
+    /// Bytes this rank holds, by category, from shapes: its shards, the
+    /// whole-model buffers of the step, and the step's peak (a micro-batch's
+    /// backward). `--check`'s replicated reference is a diagnostic, apart.
     pub fn tally(&self, s: &Session) -> MemoryTally {
         let (l, numel) = (self.layout, self.layout.numel);
-        let n = l.world;
+        let (n, groups) = (l.world, s.sum_groups.per_rank());
         let mut t = MemoryTally::new();
         let share = format!("1/{n} of the model");
         t.add("master params shard (fp32)", l.shard_len, 4, &share)
             .add("AdamW m shard", l.shard_len, 4, &share)
             .add("AdamW v shard", l.shard_len, 4, &share)
-            .add("gathered full params", l.padded, 4, "all-gather output, full copy")
-            .add("params as candle Vars", numel, 4, "compute copy, full")
-            .add("grads of one micro-batch", numel, 4, "candle's GradStore, full")
-            .add("grads (flat sum)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced");
+            .add("gathered full params", l.padded, 4, "all-gather output, full copy, kept")
+            .add("grad sums (fp32)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced")
+            .add("grad shard", l.shard_len, 4, "my 1/N inside the ordered all-reduce");
         if n > 1 {
-            let groups = s.sum_groups.per_rank(); // sum groups of mine: packed per destination when more than one
-            t.add(
-                "comm buffers",
-                groups * l.padded + if groups > 1 { groups * l.padded } else { 0 } + l.shard_len,
-                4,
-                "all-to-all receive + own shard",
-            );
+            t.add("all-to-all receive buffer", groups * l.padded, 4, "the reduce-scatter's input from every rank, kept");
         }
+        s.data_tally(&mut t);
+        let mut peak = Moment::new("backward of a micro-batch");
+        peak.add("params as candle Vars", numel, 4, "compute copy, full");
+        s.forward_backward_tally(&mut peak, 4);
+        let mut moments = vec![peak];
+        if groups > 1 && n > 1 {
+            let mut m = Moment::new("all-reduce of several group sums");
+            m.add("send buffer", groups * l.padded, 4, "group sums packed per destination");
+            moments.push(m);
+        }
+        t.peak(moments);
         if self.reference.is_some() {
-            t.add("--check reference", 3 * numel, 4, "replicated params, m, v");
+            t.apart("--check reference", 3 * numel, 4, "replicated params, m, v: lesson 01's state, to compare");
         }
         t
     }

@@ -21,7 +21,7 @@ use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::LayerwiseShard;
-use step03_layerwise_shard::tally::{StepShape, bytes_per_step, tally, unsharded_peak_table};
+use step03_layerwise_shard::tally::{bytes_per_step, tally, unsharded_peak_table};
 use step03_layerwise_shard::units::{UnitPolicy, build_units};
 
 const LESSON: Lesson =
@@ -105,19 +105,11 @@ fn main() -> ExitCode {
             }
         }
         run.finish();
+        let reference_tally = reference.as_ref().map(|r| r.tally(&s));
         drop(reference);
         let training_traffic = world.traffic();
         let full = fsdp.gather_full(&s);
 
-        let shape = StepShape {
-            micro_batches: s.my_micro_batches().len(),
-            sum_groups: s.sum_groups.per_rank(),
-            sum_buffers: s.sum_groups.buffers(),
-            batch_size: s.sampler.batch_size,
-            seq_len: s.sampler.seq_len,
-            n_embd: s.cfg.n_embd,
-            vocab_size: s.cfg.vocab_size,
-        };
         let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout()).collect();
         let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts);
         let scatter_bytes = scatter_bytes * s.sum_groups.per_rank() as u64; // one sum per group of mine
@@ -133,7 +125,15 @@ fn main() -> ExitCode {
             ]);
         }
         let max_div = divergence.iter().copied().fold(0.0, nan_max);
-        let mut report = Report::new(&s, &run, tally(&fsdp.units, shape, args.prefetch));
+        let mut memory = tally(&s, &fsdp.units, args.prefetch);
+        if let Some(r) = &reference_tally {
+            // --check: lesson 02 beside, a diagnostic. Its state stays; its
+            // step's peak shows only where it exceeds this lesson's.
+            memory.apart("--check: lesson 02's state", r.kept_bytes() as usize, 1, "its shards, full buffers, kept");
+            let above = (r.total_bytes() - r.kept_bytes()).saturating_sub(memory.total_bytes() - memory.kept_bytes());
+            memory.apart("--check: lesson 02's step, above this one's", above as usize, 1, "its whole-model backward");
+        }
+        let mut report = Report::new(&s, &run, memory);
         report
             .traffic(training_traffic)
             .table(units.render())

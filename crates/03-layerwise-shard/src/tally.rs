@@ -2,76 +2,100 @@
 //! collectives must move: the numbers the report prints beside the
 //! measured heap and the counted traffic.
 use fsdp_comm::ShardLayout;
-use fsdp_harness::MemoryTally;
+use fsdp_harness::session::pass_rows;
 use fsdp_harness::table::{Table, mb};
+use fsdp_harness::{MemoryTally, Moment, Session};
 
 use crate::units::FsdpUnit;
 
-/// The activation shapes of one step on one rank.
-#[derive(Debug, Clone, Copy)]
-pub struct StepShape {
-    /// My micro-batches per step (M / N).
-    pub micro_batches: usize,
-    /// My gradient sums per unit (`--sum-groups` G / N; by default 1): what the reduce-scatter sends.
-    pub sum_groups: usize,
-    /// The most partial sums a unit's gradient sum holds at once (the pairwise tree's stack).
-    pub sum_buffers: usize,
-    pub batch_size: usize,
-    pub seq_len: usize,
-    pub n_embd: usize,
-    pub vocab_size: usize,
-}
-
 // ANCHOR: tally
-/// Bytes this rank holds, by category: everything sharded between steps,
-/// and at most one unit (two with prefetch) unsharded at any moment.
-pub fn tally(units: &[FsdpUnit], shape: StepShape, prefetch: bool) -> MemoryTally {
-    let n = units[0].layout().world;
+/// Bytes this rank holds, by category, from shapes: every unit's shards
+/// (kept), and the busiest moment of the step's schedule — the head, a
+/// unit's recompute+backward or the embedding's backward, micro-batch by
+/// micro-batch — with what it carries from the entries before it.
+/// Lesson 04's stages 2 and 3 run the same schedule and use it too.
+pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
+    let n = s.world.size();
+    let e = units[0].param_bytes(); // the compute dtype's bytes
+    let dt = if e == 2 { "bf16" } else { "fp32" };
+    let ((b, t), c, v) = (s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size);
+    let (btc, mine) = (b * t * c, s.my_micro_batches().len());
     let shard: usize = units.iter().map(|u| u.layout().shard_len).sum();
-    let largest = units.iter().max_by_key(|u| u.layout().numel).expect("a model has units");
-    let (big, big_padded) = (largest.layout().numel, largest.layout().padded);
-    let root = units[0].layout();
-    let btc = shape.batch_size * shape.seq_len * shape.n_embd;
-    let mine = shape.micro_batches; // my micro-batches per step
-    let mut t = MemoryTally::new();
+    let mut k = MemoryTally::new();
     let share = format!("1/{n} of every unit");
-    t.add("master params shards (fp32)", shard, 4, &share)
+    k.add("master params shards (fp32)", shard, 4, &share)
         .add("AdamW m shards", shard, 4, &share)
         .add("AdamW v shards", shard, 4, &share)
-        .add("grad shards", shard, 4, "reduce-scattered, 1/N of every unit");
-    let what = format!("largest unit ({}), freed after use", largest.name());
-    t.add(
-        "gathered unit (all-gather output)",
-        big_padded,
-        4,
-        &format!("largest unit ({}), freed once copied", largest.name()),
-    )
-    .add("unit params as candle Vars", big, 4, &what)
-    .add("unit grads of one micro-batch", big, 4, "candle's GradStore, largest unit")
-    .add("unit grad sum", shape.sum_buffers * big_padded, 4, "over my micro-batches, then reduce-scattered");
-    if prefetch {
-        t.add("next unit, prefetched", big_padded, 4, "--prefetch: its all-gather in flight");
+        .add("grad shards (fp32)", shard, 4, "reduce-scattered, 1/N of every unit");
+    if !units[0].gathers() {
+        let all: usize = units.iter().map(|u| u.layout().padded).sum();
+        k.add(&format!("compute copy, unsharded ({dt})"), all, e, "every unit, kept from step to step");
     }
-    t.add("root grad sum", shape.sum_buffers * root.padded, 4, "formed in the embedding's backward")
-        .add("ln_f grads", mine * 2 * shape.n_embd, 4, "per micro-batch, from the head to the embedding's backward")
-        .add(
-            "lm_head part of wte grad",
-            mine * shape.vocab_size * shape.n_embd,
-            4,
-            "per micro-batch, until the embedding's part",
-        )
-        .add("saved unit inputs", units.len() * mine * btc, 4, "activations kept for backward: (B, T, C) per unit")
-        .add("upstream gradients", mine * btc, 4, "dL/dx at the current unit boundary");
     if n > 1 {
-        let groups = shape.sum_groups; // more than one sum: packed per destination, then received
-        t.add(
-            "comm buffers",
-            groups * big_padded + if groups > 1 { groups * big_padded } else { 0 },
-            4,
-            "reduce-scatter's all-to-all receive, largest unit",
-        );
+        let most = units.iter().map(|u| u.layout().padded).max().unwrap_or(0) * s.sum_groups.per_rank();
+        k.add("all-to-all receive buffer", most, 4, "the reduce-scatter's input from every rank, largest unit, kept");
     }
-    t
+    s.data_tally(&mut k);
+
+    let shapes = s.shapes(e);
+    let blocks = units.len() - 1; // block units
+    let ids = |m: &mut Moment| {
+        m.add("micro-batch token ids", mine * 2 * b * t, 4, "inputs and targets of my micro-batches");
+    };
+    // What the backward entries carry: the upstream gradient and the head's
+    // outputs for each of my micro-batches.
+    let carried = |m: &mut Moment, done: usize| {
+        m.add(&format!("upstream gradients ({dt})"), done * btc, e, "dL/dx at the unit boundary, (B, T, C) per micro-batch")
+            .add(&format!("lm_head part of wte grad ({dt})"), done * v * c, e, "per micro-batch, until the embedding's part")
+            .add(&format!("ln_f grads ({dt})"), done * 2 * c, e, "per micro-batch, until the root's gradient is summed");
+    };
+    let prefetched = |m: &mut Moment, next: Option<&FsdpUnit>| {
+        if let Some(u) = next.filter(|u| prefetch && u.gathers()) {
+            m.add(&format!("next unit, prefetched ({dt})"), u.layout().padded, e, "--prefetch: its all-gather in flight");
+        }
+    };
+    let sums = |m: &mut Moment, u: &FsdpUnit, k: usize| {
+        let held = s.sum_groups.allocated_before(k);
+        m.add("unit grad sums (fp32)", held * u.layout().padded, 4, "over my micro-batches so far, then reduce-scattered");
+    };
+    let mut moments = vec![];
+    for k in 0..mine {
+        // The head: my micro-batch k's head forward and backward.
+        let mut m = Moment::new(format!("head forward+backward, micro-batch {k}"));
+        m.add(&format!("root as candle Vars ({dt})"), units[0].layout().numel, e, "gathered, freed after use")
+            .add(&format!("saved unit inputs ({dt})"), (blocks * mine + mine - k) * btc, e, "(B, T, C) per unit and micro-batch");
+        carried(&mut m, k);
+        m.add(&format!("the head's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
+        ids(&mut m);
+        pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph");
+        prefetched(&mut m, units.get(blocks).filter(|_| blocks > 0));
+        moments.push(m);
+        // Each block unit's recompute and backward.
+        for u in (1..=blocks).rev() {
+            let unit = &units[u];
+            let mut m = Moment::new(format!("recompute+backward of {}, micro-batch {k}", unit.name()));
+            m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use")
+                .add(&format!("saved unit inputs ({dt})"), u * mine * btc, e, "(B, T, C) per unit and micro-batch");
+            carried(&mut m, mine);
+            sums(&mut m, unit, k);
+            m.add(&format!("the unit's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
+            ids(&mut m);
+            pass_rows(&mut m, &shapes.blocks_recomputed(unit.blocks(), (b, t)), "the unit's recomputed graph");
+            prefetched(&mut m, (u > 1).then(|| &units[u - 1]));
+            moments.push(m);
+        }
+        // The embedding's backward: no weights, the tied wte completed.
+        let mut m = Moment::new(format!("embedding backward, micro-batch {k}"));
+        carried(&mut m, mine);
+        sums(&mut m, &units[0], k);
+        m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), s.cfg.block_size * c + b * t * c, e, "stand-ins")
+            .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
+        ids(&mut m);
+        pass_rows(&mut m, &shapes.embedding_backward((b, t)), "the embedding's graph");
+        moments.push(m);
+    }
+    k.peak(moments);
+    k
 }
 // ANCHOR_END: tally
 

@@ -126,6 +126,10 @@ impl FsdpUnit {
     pub fn layout(&self) -> ShardLayout {
         self.layout
     }
+    /// Bytes per element of the compute copy (the param dtype): 4, or 2 under bf16.
+    pub fn param_bytes(&self) -> usize {
+        self.policy.param_dtype.size_in_bytes()
+    }
     /// Whether using the unit needs an all-gather (else its parameters are kept unsharded).
     pub fn gathers(&self) -> bool {
         self.policy.reshard_after_forward

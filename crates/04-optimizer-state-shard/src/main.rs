@@ -20,7 +20,7 @@ use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs};
 use step04_optimizer_state_shard::OptimizerStateShard;
-use step04_optimizer_state_shard::zero::{Shapes, side_by_side, tally};
+use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally};
 
 const LESSON: Lesson = Lesson {
     package: "step04-optimizer-state-shard",
@@ -98,7 +98,11 @@ fn main() -> ExitCode {
             units.iter().map(|u| ((world.size() - 1) * u.layout().shard_len * bytes) as u64).sum()
         };
         let gathers = if args.stage == 3 { 2 } else { 1 };
-        let mut report = Report::new(&s, &run, tally(args.stage, shapes));
+        let memory = match args.stage {
+            1 => stage1_tally(&s, units),
+            _ => step03_layerwise_shard::tally::tally(&s, units, zero.fsdp.prefetch), // lesson 03's schedule
+        };
+        let mut report = Report::new(&s, &run, memory);
         report
             .traffic(training_traffic)
             .table(format!(
@@ -114,7 +118,7 @@ fn main() -> ExitCode {
             .json("precision", serde_json::json!(args.precision.to_string()))
             .json(
                 "side_by_side_bytes",
-                serde_json::json!([0u8, 1, 2, 3].iter().map(|&st| tally(st, shapes).total_bytes()).collect::<Vec<_>>()),
+                serde_json::json!([0u8, 1, 2, 3].iter().map(|&st| model_states(st, shapes).total_bytes()).collect::<Vec<_>>()),
             );
         report.finish(Some(&full))
     })

@@ -1,8 +1,9 @@
 //! The bytes of ZeRO, two ways: from first principles for any model size
 //! (the paper's formulas, `just tally 7B 64`), and from this run's shapes,
 //! category by category, for data parallelism and each stage side by side.
-use fsdp_harness::MemoryTally;
 use fsdp_harness::table::{Table, mb};
+use fsdp_harness::{MemoryTally, Moment, Session};
+use step03_layerwise_shard::units::FsdpUnit;
 
 /// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
 pub const SCHEMES: [(u8, &str); 4] = [(0, "data parallel"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")];
@@ -45,11 +46,13 @@ pub struct Shapes {
     pub sum_buffers: usize,
 }
 
-// ANCHOR: tally
+// ANCHOR: model_states
 /// Bytes per rank by category for `stage` (0: data parallelism, lesson 01),
-/// from shapes. Model states and the buffers around them; activations are
-/// not here (the measured peak beside it includes them).
-pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
+/// from shapes: model states and the buffers around them, for comparing the
+/// schemes side by side. Activations, the same in every scheme at equal
+/// activation policy, are not here; a run's own tally ([`stage1_tally`],
+/// lesson 03's for stages 2 and 3) has them, beside the measured peak.
+pub fn model_states(stage: u8, sh: Shapes) -> MemoryTally {
     let (c, n) = (sh.compute_bytes, sh.ranks);
     let cdt = if c == 2 { "bf16" } else { "fp32" };
     let mut t = MemoryTally::new();
@@ -111,13 +114,49 @@ pub fn tally(stage: u8, sh: Shapes) -> MemoryTally {
     }
     t
 }
-// ANCHOR_END: tally
+// ANCHOR_END: model_states
+
+// ANCHOR: stage1_tally
+/// This rank's bytes under ZeRO-1, from shapes: the shards and the
+/// resident compute copy (kept), and the peak — a micro-batch's backward
+/// through the whole model, with every unit's gradient sums.
+pub fn stage1_tally(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
+    let (n, e) = (s.world.size(), units[0].param_bytes());
+    let dt = if e == 2 { "bf16" } else { "fp32" };
+    let shard: usize = units.iter().map(|u| u.layout().shard_len).sum();
+    let padded: usize = units.iter().map(|u| u.layout().padded).sum();
+    let mut t = MemoryTally::new();
+    let share = format!("1/{n} of every unit");
+    t.add("fp32 master shard", shard, 4, &share)
+        .add("AdamW m shard", shard, 4, &share)
+        .add("AdamW v shard", shard, 4, &share)
+        .add("grad shard (fp32)", shard, 4, &share)
+        .add(&format!("compute copy, resident ({dt})"), padded, e, "whole model, all-gathered after each update");
+    if n > 1 {
+        let most = units.iter().map(|u| u.layout().padded).max().unwrap_or(0) * s.sum_groups.per_rank();
+        t.add("all-to-all receive buffer", most, 4, "the reduce-scatter's input from every rank, largest unit, kept");
+    }
+    s.data_tally(&mut t);
+    let moments = (0..s.my_micro_batches().len())
+        .map(|k| {
+            let mut m = Moment::new(format!("backward of micro-batch {k}"));
+            let held = s.sum_groups.allocated_before(k);
+            m.add(&format!("compute copy as candle Vars ({dt})"), s.table.numel(), e, "whole model")
+                .add("grad sums (fp32)", held * padded, 4, "whole model, over my micro-batches so far");
+            s.forward_backward_tally(&mut m, e);
+            m
+        })
+        .collect();
+    t.peak(moments);
+    t
+}
+// ANCHOR_END: stage1_tally
 
 /// Data parallelism and the three stages, side by side, for this run's
 /// model and world size: the from-shapes total, and the paper's formula.
 pub fn side_by_side(sh: Shapes, k: f64) -> Table {
     let mut t = Table::new(["per rank", "data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3"]);
-    let tallies: Vec<MemoryTally> = SCHEMES.iter().map(|&(st, _)| tally(st, sh)).collect();
+    let tallies: Vec<MemoryTally> = SCHEMES.iter().map(|&(st, _)| model_states(st, sh)).collect();
     let by = |pick: &dyn Fn(&str) -> bool| -> Vec<String> {
         tallies.iter().map(|t| mb(t.rows.iter().filter(|r| pick(&r.category)).map(|r| r.bytes()).sum())).collect()
     };
@@ -138,7 +177,7 @@ pub fn side_by_side(sh: Shapes, k: f64) -> Table {
     );
     row(&mut t, "comm buffers", by(&|c| c == "comm buffers"));
     t.separator();
-    row(&mut t, "total, from shapes", tallies.iter().map(|t| mb(t.total_bytes())).collect());
+    row(&mut t, "model states and buffers, from shapes", tallies.iter().map(|t| mb(t.total_bytes())).collect());
     let paper =
         SCHEMES.iter().map(|&(st, _)| mb(model_state_bytes(sh.numel as f64, sh.ranks as u64, st, k) as u64)).collect();
     row(&mut t, &format!("ZeRO paper, K = {k}: 2+2+K bytes/param"), paper);

@@ -110,13 +110,24 @@ impl SumGroups {
     /// The most buffers a [`MicroBatchSum`] holds at once: the group sums
     /// finished so far plus the partial sums on its stack.
     pub fn buffers(&self) -> usize {
+        self.allocated_before(self.micro_batches / self.world)
+    }
+
+    /// The buffers a fresh [`MicroBatchSum`] has allocated before it adds my
+    /// `k`-th micro-batch (0-based): the most it held at once so far (merged
+    /// halves are kept for reuse, not freed).
+    pub fn allocated_before(&self, k: usize) -> usize {
         let nodes = group_tree(self.group_len());
-        let (mut most, mut stack) = (0, Vec::<(Range<usize>, ())>::new());
+        let (mut most, mut stack, mut added) = (0, Vec::<(Range<usize>, ())>::new(), 0);
         for g in 0..self.per_rank() {
             for i in 0..self.group_len() {
+                if added == k {
+                    return most;
+                }
                 stack.push((i..i + 1, ()));
                 most = most.max(g + stack.len());
                 merge_siblings(&nodes, &mut stack, |_, _| {});
+                added += 1;
             }
             stack.clear();
         }
@@ -308,8 +319,11 @@ mod tests {
         {
             let plan = SumGroups::new(g, m, n).unwrap();
             assert_eq!(plan.buffers(), most, "M {m}, G {g}, N {n}");
+            assert_eq!(plan.allocated_before(0), 0);
             let mut s = MicroBatchSum::new(plan, 3);
-            for _ in 0..m / n {
+            for k in 0..m / n {
+                let allocated = s.stack.len() + s.sums.len() + s.spare.len();
+                assert_eq!(allocated, plan.allocated_before(k), "M {m}, G {g}, N {n}, before micro-batch {k}");
                 s.add(|b| b[0] = 1.0);
                 assert!(s.stack.len() + s.sums.len() <= most);
             }

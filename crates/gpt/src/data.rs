@@ -63,7 +63,10 @@ impl Corpus {
         let mut vocab: Vec<char> = text.chars().collect();
         vocab.sort_unstable();
         vocab.dedup();
-        let tokens = encode_with(&vocab, text).expect("every char is in its own vocabulary");
+        vocab.shrink_to_fit(); // else it keeps the whole text's capacity: 4 bytes per character, or more
+
+        let mut tokens = encode_with(&vocab, text).expect("every char is in its own vocabulary");
+        tokens.shrink_to_fit(); // collected from `chars()`, it may have grown to twice its length
         Ok(Self { source: source.to_string(), vocab, tokens })
     }
 

@@ -54,7 +54,7 @@ pub use fsdp_plot::{plot, table};
 
 pub use cli::{TrainArgs, parse_args};
 pub use edge::{Lesson, main};
-pub use report::{MemoryTally, Report};
+pub use report::{Held, MemoryTally, Moment, Report};
 pub use run::Run;
 pub use session::{Moments, Session, Start};
 pub use timeline::MemoryTimeline;

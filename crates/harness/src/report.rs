@@ -11,6 +11,19 @@ use crate::run::Run;
 use crate::session::Session;
 use crate::table::{Table, mb, mb_measured, thousands};
 
+/// When a rank holds a category of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// From step to step: model states, data, buffers kept for reuse.
+    Kept,
+    /// Only around the step's peak: activations, gathered units, gradients
+    /// in flight, temporaries.
+    AtPeak,
+    /// Diagnostics the technique itself does not need (lesson 02's
+    /// `--check` reference): measured with the rest, never in its total.
+    Apart,
+}
+
 /// One category of memory a rank holds, computed from shapes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TallyRow {
@@ -18,6 +31,7 @@ pub struct TallyRow {
     pub elems: usize,
     pub bytes_per_elem: usize,
     pub note: String,
+    pub held: Held,
 }
 
 impl TallyRow {
@@ -26,10 +40,38 @@ impl TallyRow {
     }
 }
 
-/// Bytes per rank by category, from shapes alone (no measurement).
+/// What a rank holds at one moment of the step, besides what it keeps.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Moment {
+    pub label: String,
+    pub rows: Vec<TallyRow>,
+}
+
+impl Moment {
+    pub fn new(label: impl Into<String>) -> Self {
+        Self { label: label.into(), rows: vec![] }
+    }
+
+    pub fn add(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
+        let row = TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into(), held: Held::AtPeak };
+        self.rows.push(row);
+        self
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.rows.iter().map(TallyRow::bytes).sum()
+    }
+}
+
+/// Bytes per rank by category, from shapes alone (no measurement): what
+/// is kept from step to step, plus what is held at the step's busiest
+/// moment — together the peak the counting allocator should measure —
+/// and, apart, diagnostics.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct MemoryTally {
     pub rows: Vec<TallyRow>,
+    /// The moment of the step whose rows are in (see [`MemoryTally::peak`]).
+    pub peak_at: String,
 }
 
 impl MemoryTally {
@@ -37,29 +79,84 @@ impl MemoryTally {
         Self::default()
     }
 
+    /// A category kept from step to step.
     pub fn add(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
-        self.rows.push(TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into() });
+        self.push(category, elems, bytes_per_elem, note, Held::Kept)
+    }
+
+    /// A diagnostic, shown apart from the technique's own total.
+    pub fn apart(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
+        self.push(category, elems, bytes_per_elem, note, Held::Apart)
+    }
+
+    fn push(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str, held: Held) -> &mut Self {
+        self.rows.push(TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into(), held });
         self
     }
 
-    pub fn total_bytes(&self) -> u64 {
-        self.rows.iter().map(TallyRow::bytes).sum()
+    /// Adds the busiest of `moments` (the most bytes; the first of equals):
+    /// the step's peak, from shapes.
+    pub fn peak(&mut self, moments: Vec<Moment>) -> &mut Self {
+        let busiest = moments.into_iter().reduce(|a, b| if b.bytes() > a.bytes() { b } else { a });
+        if let Some(m) = busiest {
+            self.peak_at = m.label;
+            self.rows.extend(m.rows);
+        }
+        self
     }
 
-    /// The tally as a table, ending with its total.
+    fn sum(&self, pick: impl Fn(Held) -> bool) -> u64 {
+        self.rows.iter().filter(|r| pick(r.held)).map(TallyRow::bytes).sum()
+    }
+
+    /// The technique's peak: kept plus the busiest moment's (diagnostics excluded).
+    pub fn total_bytes(&self) -> u64 {
+        self.sum(|h| h != Held::Apart)
+    }
+
+    pub fn kept_bytes(&self) -> u64 {
+        self.sum(|h| h == Held::Kept)
+    }
+
+    pub fn apart_bytes(&self) -> u64 {
+        self.sum(|h| h == Held::Apart)
+    }
+
+    /// What the counting allocator should measure: the peak and the diagnostics.
+    pub fn expected_peak_bytes(&self) -> u64 {
+        self.total_bytes() + self.apart_bytes()
+    }
+
+    /// The tally as a table: kept, the peak moment, the total; diagnostics apart.
     pub fn table(&self) -> Table {
         let mut t = Table::new(["memory per rank (from shapes)", "elements", "bytes", "MB", "note"]);
-        for r in &self.rows {
-            t.row([r.category.clone(), thousands(r.elems as u64), thousands(r.bytes()), mb(r.bytes()), r.note.clone()]);
+        let total = |t: &mut Table, label: &str, bytes: u64| {
+            t.row([label.to_string(), String::new(), thousands(bytes), mb(bytes), String::new()]);
+        };
+        let rows = |t: &mut Table, held: Held| {
+            for r in self.rows.iter().filter(|r| r.held == held) {
+                // Rows counted in bytes (mixed dtypes: a graph's tensors) have no element count.
+                let elems = if r.bytes_per_elem == 1 { "—".to_string() } else { thousands(r.elems as u64) };
+                t.row([r.category.clone(), elems, thousands(r.bytes()), mb(r.bytes()), r.note.clone()]);
+            }
+        };
+        rows(&mut t, Held::Kept);
+        t.separator();
+        total(&mut t, "kept from step to step", self.kept_bytes());
+        if self.rows.iter().any(|r| r.held == Held::AtPeak) {
+            t.separator();
+            t.row([format!("at the peak: {}", self.peak_at), String::new(), String::new(), String::new(), String::new()]);
+            rows(&mut t, Held::AtPeak);
         }
         t.separator();
-        t.row([
-            "total".to_string(),
-            String::new(),
-            thousands(self.total_bytes()),
-            mb(self.total_bytes()),
-            String::new(),
-        ]);
+        total(&mut t, "peak", self.total_bytes());
+        if self.apart_bytes() > 0 {
+            t.separator();
+            t.row(["diagnostics, apart".to_string(), String::new(), String::new(), String::new(), String::new()]);
+            rows(&mut t, Held::Apart);
+            t.separator();
+            total(&mut t, "peak with the diagnostics", self.expected_peak_bytes());
+        }
         t
     }
 }
@@ -153,6 +250,12 @@ impl<'a, 'w> Report<'a, 'w> {
         };
         m.row(row("live heap as training began", &base));
         m.row(row("peak live heap while training", &peak));
+        let expected = self.tally.expected_peak_bytes();
+        m.row(
+            std::iter::once("measured peak / tally's peak".to_string())
+                .chain(peak.iter().map(|&p| format!("{:.3}", p as f64 / expected as f64)))
+                .collect::<Vec<_>>(),
+        );
         m.row(row("peak RSS (incl. MPI, code)", &rss));
         println!("{}", m.render());
 
@@ -208,8 +311,12 @@ impl<'a, 'w> Report<'a, 'w> {
             "step_seconds": self.run.step_seconds,
             "expected_bytes_per_step": self.expected.iter().map(|(k, b)| (k.name().to_string(), json!(b))).collect::<serde_json::Map<_, _>>(),
             "weights_digest": digest,
-            "tally": self.tally.rows.iter().map(|r| json!({"category": r.category, "elements": r.elems, "bytes": r.bytes(), "note": r.note})).collect::<Vec<_>>(),
+            "tally": self.tally.rows.iter().map(|r| json!({"category": r.category, "elements": r.elems, "bytes": r.bytes(), "note": r.note, "held": format!("{:?}", r.held).to_lowercase()})).collect::<Vec<_>>(),
+            "tally_peak_at": self.tally.peak_at,
             "tally_total_bytes": self.tally.total_bytes(),
+            "tally_kept_bytes": self.tally.kept_bytes(),
+            "tally_apart_bytes": self.tally.apart_bytes(),
+            "tally_expected_peak_bytes": self.tally.expected_peak_bytes(),
             "measured_baseline_bytes": base,
             "measured_peak_bytes": peak,
             "peak_rss_bytes": rss,

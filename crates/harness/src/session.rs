@@ -7,12 +7,14 @@ use anyhow::{Context, bail};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use fsdp_comm::{MicroBatchSum, SumGroups, World};
+use fsdp_gpt::memory::{Footprint, ModelShapes};
 use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
 
 use crate::checkpoint::{Meta, Resumed};
 use crate::cli::TrainArgs;
 use crate::edge::{Lesson, agree};
 use crate::resume::ThisRun;
+use crate::report::{MemoryTally, Moment};
 use crate::table::{Table, thousands};
 
 /// Everything a lesson's training loop needs besides its own state.
@@ -240,6 +242,32 @@ impl<'w> Session<'w> {
         Ok((loss.to_scalar::<f32>()?, grads))
     }
 
+    /// The shapes of this run's model in a compute dtype of `elem` bytes
+    /// per element, for [`fsdp_gpt::memory`]'s accounting.
+    pub fn shapes(&self, elem: usize) -> ModelShapes {
+        ModelShapes { cfg: self.cfg, elem }
+    }
+
+    /// One micro-batch's (B, T).
+    pub fn micro_batch_shape(&self) -> (usize, usize) {
+        (self.sampler.batch_size, self.sampler.seq_len)
+    }
+
+    /// What [`Session::forward_backward`] holds at its peak, by category:
+    /// the micro-batch, the activations the graph keeps, the backward's
+    /// gradients and temporaries on top. `elem`: the compute dtype's bytes.
+    pub fn forward_backward_tally(&self, m: &mut Moment, elem: usize) {
+        let (b, t) = self.micro_batch_shape();
+        let f = self.shapes(elem).whole_model(&self.table, (b, t));
+        m.add("micro-batch token ids", 2 * b * t, 4, "inputs and targets (B, T)");
+        pass_rows(m, &f, "the whole model's graph");
+    }
+
+    /// The token ids the run holds, kept: the corpus and the sampler's copy.
+    pub fn data_tally(&self, t: &mut MemoryTally) {
+        t.add("training text as token ids", 2 * self.corpus.tokens.len(), 4, "the corpus and the sampler's copy (u32)");
+    }
+
     /// A start state from the seed alone (for a side run beside training,
     /// such as lesson 03's one step of lesson 02 for the memory timeline).
     pub fn seed_start(&self) -> Start {
@@ -403,4 +431,11 @@ impl<'w> Session<'w> {
             crate::print0!("note: {note}");
         }
     }
+}
+
+/// A pass's footprint as two rows: what its graph keeps from the forward,
+/// and the most its backward holds on top (gradients, sums, temporaries).
+pub fn pass_rows(m: &mut Moment, f: &Footprint, graph: &str) {
+    m.add("activations the graph keeps", f.activations, 1, &format!("{graph}: every op's output, until backward ends"))
+        .add("backward: gradients and temporaries", f.backward_peak, 1, "in flight at its busiest, as candle's backward runs");
 }
