@@ -12,4 +12,5 @@ mod lesson02;
 mod lesson03;
 mod lesson04;
 mod machine;
+mod memory;
 mod setup;

@@ -15,7 +15,6 @@ use std::borrow::Cow;
 
 use anyhow::bail;
 use fsdp_comm::{MicroBatchSum, ShardLayout, sum_pairwise};
-use fsdp_gpt::model::add_grads;
 use fsdp_gpt::params::digest_f32;
 use fsdp_gpt::{AdamW, Precision};
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
@@ -43,10 +42,12 @@ pub struct DataParallel {
     reduce: Reduce,
     /// The compute copy's dtype (`--precision`); params, sums, `m`, `v` stay fp32.
     precision: Precision,
+    /// `--recompute`: activation checkpointing, block by block.
+    recompute: bool,
 }
 
 impl DataParallel {
-    pub fn new(s: &Session, start: Start, reduce: Reduce, precision: Precision) -> Self {
+    pub fn new(s: &Session, start: Start, reduce: Reduce, precision: Precision, recompute: bool) -> Self {
         let numel = s.table.numel();
         let layout = ShardLayout::new(numel, s.world.size());
         // The same seed (or checkpoint), the same bits, on every rank: kept whole.
@@ -62,6 +63,7 @@ impl DataParallel {
             opt,
             reduce,
             precision,
+            recompute,
         }
     }
 
@@ -71,11 +73,12 @@ impl DataParallel {
         let numel = s.table.numel();
         // 1. forward/backward on my micro-batches, gradients summed in order
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
+        let all: Vec<usize> = (0..vars.len()).collect();
         self.grads.reset();
         let mut loss_sum = 0.0;
         for k in s.my_micro_batches() {
-            let (loss, grads) = s.forward_backward(&vars, step, k)?;
-            self.grads.add(|sum| add_grads(&grads, &vars, &mut sum[..numel]))?;
+            let (loss, grads) = s.forward_backward(&vars, step, k, self.recompute)?;
+            self.grads.add(|sum| grads.add_to(&all, &vars, &mut sum[..numel]))?;
             loss_sum += loss as f64;
         }
         drop(vars);
@@ -102,11 +105,12 @@ impl DataParallel {
     pub fn accumulate_step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
         let numel = s.table.numel();
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
+        let all: Vec<usize> = (0..vars.len()).collect();
         self.grads.reset(); // one process: all G group sums are mine
         let mut loss_sum = 0.0;
         for k in 0..s.sampler.micro_batches {
-            let (loss, grads) = s.forward_backward(&vars, step, k)?;
-            self.grads.add(|sum| add_grads(&grads, &vars, &mut sum[..numel]))?;
+            let (loss, grads) = s.forward_backward(&vars, step, k, self.recompute)?;
+            self.grads.add(|sum| grads.add_to(&all, &vars, &mut sum[..numel]))?;
             loss_sum += loss as f64;
         }
         drop(vars);
@@ -157,15 +161,26 @@ impl DataParallel {
             t.add("all-to-all receive buffer", groups * padded, 4, "the reduce-scatter's input from every rank, kept");
         }
         s.data_tally(&mut t);
-        let mut peak = Moment::new("backward of a micro-batch");
-        peak.add(
-            &format!("params as candle Vars ({})", self.precision),
-            numel,
-            self.precision.bytes(),
-            "compute copy, rebuilt each step",
-        );
-        s.forward_backward_tally(&mut peak, self.precision.bytes());
-        let mut moments = vec![peak];
+        let (e, vars_note) = (self.precision.bytes(), "compute copy, rebuilt each step");
+        let vars_row = format!("params as candle Vars ({})", self.precision);
+        let mut moments = match self.recompute {
+            false => {
+                let mut m = Moment::new("backward of a micro-batch");
+                m.add(&vars_row, numel, e, vars_note);
+                s.forward_backward_tally(&mut m, e);
+                vec![m]
+            }
+            // Block by block: the gradients collected so far wait for the rest.
+            true => s.blockwise_moments(e, true, "a micro-batch", &mut |unit, m| {
+                m.add(&vars_row, numel, e, vars_note);
+                let done = s.blocks_done(unit);
+                m.add(&format!("gradients collected ({})", self.precision), done, e, "the blocks done so far");
+            }),
+        };
+        let mut add = Moment::new("adding a micro-batch's gradients to the sum");
+        add.add(&vars_row, numel, e, vars_note);
+        s.gradient_add_tally(&mut add, e, self.recompute);
+        moments.push(add);
         if groups > 1 && n > 1 {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * padded, 4, "group sums packed per destination");

@@ -13,6 +13,7 @@ use clap::Parser;
 use data_parallel::{DataParallel, Reduce};
 use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
+use fsdp_harness::session::recompute_note;
 use fsdp_harness::{Lesson, Report, Session, TrainArgs, print0};
 
 const LESSON: Lesson =
@@ -32,6 +33,11 @@ struct Args {
     /// Verify every this many steps that the ranks' replicas agree bit for bit (0: never).
     #[arg(long, default_value_t = 10)]
     check_every: u64,
+    /// Activation checkpointing: keep only each block's input in forward and
+    /// recompute the block just before its backward (less memory, one more
+    /// forward, the same bits).
+    #[arg(long)]
+    recompute: bool,
     /// Compute precision: fp32, or bf16 (bf16 compute copy and gradients;
     /// fp32 master weights, gradient sums and AdamW state).
     #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<Precision>())]
@@ -73,7 +79,10 @@ fn main() -> ExitCode {
                 )),
             )?;
         }
-        let mut extra = vec![("all-reduce", format!("{:?}", args.reduce).to_lowercase())];
+        let mut extra = vec![
+            ("all-reduce", format!("{:?}", args.reduce).to_lowercase()),
+            ("activations", recompute_note(args.recompute)),
+        ];
         if args.precision != Precision::Fp32 {
             extra.push(("precision", format!("{}: compute copy and grads; fp32 master, sums, AdamW", args.precision)));
         }
@@ -82,7 +91,7 @@ fn main() -> ExitCode {
         }
         s.print_config(&extra);
 
-        let mut dp = DataParallel::new(&s, start, args.reduce, args.precision);
+        let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute);
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let mut checks = 0;
         for step in s.steps() {

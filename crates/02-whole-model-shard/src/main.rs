@@ -16,6 +16,7 @@ use clap::Parser;
 use fsdp_comm::{Collective, nan_max};
 use fsdp_harness::plot::{Chart, Series};
 use fsdp_harness::report::points_from;
+use fsdp_harness::session::recompute_note;
 use fsdp_harness::table::{Table, mb, sci, thousands};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
@@ -34,6 +35,11 @@ struct Args {
     /// Skip the two-panel figure (by default written to <out>/shard_vs_replicated.svg).
     #[arg(long)]
     no_plot: bool,
+    /// Activation checkpointing: keep only each block's input in forward and
+    /// recompute the block just before its backward (less memory, one more
+    /// forward, the same bits).
+    #[arg(long)]
+    recompute: bool,
 }
 
 fn main() -> ExitCode {
@@ -41,12 +47,12 @@ fn main() -> ExitCode {
         let args: Args = fsdp_harness::parse_args(lesson)?;
         let check = !args.no_check;
         let (s, start) = Session::new(world, lesson, args.train)?;
-        s.print_config(&[(
-            "check against replicated",
-            if check { "every step".into() } else { "off (--no-check)".into() },
-        )]);
+        s.print_config(&[
+            ("check against replicated", if check { "every step".into() } else { "off (--no-check)".into() }),
+            ("activations", recompute_note(args.recompute)),
+        ]);
 
-        let mut fsdp = WholeModelShard::new(&s, &start, check);
+        let mut fsdp = WholeModelShard::new(&s, &start, check, args.recompute);
         drop(start); // my shard is cut: the whole start state goes
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let (mut ref_losses, mut divergence) = (vec![], vec![]);
@@ -121,7 +127,7 @@ fn figure(first: u64, losses: &[f32], reference: &[f32], divergence: &[f32], n: 
                 },
                 Series { name: "sharded".into(), color: "#ff7f0e", points: points_from(first, losses), dashed: true },
             ],
-            y_range: None,
+            ..Default::default()
         },
         Chart {
             title: "max |sharded − replicated| per step".into(),
@@ -134,6 +140,7 @@ fn figure(first: u64, losses: &[f32], reference: &[f32], divergence: &[f32], n: 
                 dashed: false,
             }],
             y_range: Some((-1e-6, 1e-6)),
+            ..Default::default()
         },
     ]
 }

@@ -15,7 +15,6 @@ use std::borrow::Cow;
 
 use fsdp_comm::{MicroBatchSum, ShardLayout, World, nan_max};
 use fsdp_gpt::AdamW;
-use fsdp_gpt::model::add_grads;
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
 use fsdp_harness::{MemoryTally, MemoryTimeline, Moment, Session, Start};
 
@@ -34,6 +33,8 @@ pub struct WholeModelShard {
     grad_shard: Vec<f32>,
     /// `--check`: a fully replicated copy (lesson 01's state) fed the same gradient.
     reference: Option<Reference>,
+    /// `--recompute`: activation checkpointing, block by block.
+    recompute: bool,
 }
 
 /// The replicated reference of `--check`.
@@ -52,7 +53,7 @@ pub struct StepResult {
 }
 
 impl WholeModelShard {
-    pub fn new(s: &Session, start: &Start, check: bool) -> Self {
+    pub fn new(s: &Session, start: &Start, check: bool, recompute: bool) -> Self {
         let (rank, n) = (s.world.rank(), s.world.size());
         let layout = ShardLayout::new(s.table.numel(), n);
         // Every rank builds the same initial vector (or reads the same
@@ -75,6 +76,7 @@ impl WholeModelShard {
             grads: s.grad_sum(layout.padded),
             grad_shard: vec![0.0; layout.shard_len],
             reference,
+            recompute,
         }
     }
 
@@ -86,14 +88,15 @@ impl WholeModelShard {
         // 1. all-gather: every rank's shard → the full weight vector
         w.all_gather(&self.master, &mut self.gathered);
         let vars = s.model.vars_from_flat(&s.table, &self.gathered[..numel])?;
+        let all: Vec<usize> = (0..vars.len()).collect();
         tl.mark("all-gather the whole model");
 
         // 2. forward/backward on my micro-batches
         self.grads.reset();
         let mut loss_sum = 0.0;
         for k in s.my_micro_batches() {
-            let (loss, grads) = s.forward_backward(&vars, step, k)?;
-            self.grads.add(|sum| add_grads(&grads, &vars, &mut sum[..numel]))?;
+            let (loss, grads) = s.forward_backward(&vars, step, k, self.recompute)?;
+            self.grads.add(|sum| grads.add_to(&all, &vars, &mut sum[..numel]))?;
             loss_sum += loss as f64;
             tl.mark(format!("forward+backward, micro-batch {k}"));
         }
@@ -157,13 +160,31 @@ impl WholeModelShard {
             .add("grad sums (fp32)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced")
             .add("grad shard", l.shard_len, 4, "my 1/N inside the ordered all-reduce");
         if n > 1 {
-            t.add("all-to-all receive buffer", groups * l.padded, 4, "the reduce-scatter's input from every rank, kept");
+            t.add(
+                "all-to-all receive buffer",
+                groups * l.padded,
+                4,
+                "the reduce-scatter's input from every rank, kept",
+            );
         }
         s.data_tally(&mut t);
-        let mut peak = Moment::new("backward of a micro-batch");
-        peak.add("params as candle Vars", numel, 4, "compute copy, full");
-        s.forward_backward_tally(&mut peak, 4);
-        let mut moments = vec![peak];
+        let vars_note = "compute copy, full";
+        let mut moments = match self.recompute {
+            false => {
+                let mut m = Moment::new("backward of a micro-batch");
+                m.add("params as candle Vars", numel, 4, vars_note);
+                s.forward_backward_tally(&mut m, 4);
+                vec![m]
+            }
+            true => s.blockwise_moments(4, true, "a micro-batch", &mut |unit, m| {
+                m.add("params as candle Vars", numel, 4, vars_note);
+                m.add("gradients collected", s.blocks_done(unit), 4, "the blocks done so far");
+            }),
+        };
+        let mut add = Moment::new("adding a micro-batch's gradients to the sum");
+        add.add("params as candle Vars", numel, 4, vars_note);
+        s.gradient_add_tally(&mut add, 4, self.recompute);
+        moments.push(add);
         if groups > 1 && n > 1 {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * l.padded, 4, "group sums packed per destination");
@@ -178,10 +199,11 @@ impl WholeModelShard {
     // ANCHOR_END: tally
 }
 
-/// The loss of the replicated reference on this step's global batch (forward only).
+/// The loss of the replicated reference on this step's global batch
+/// (forward only, without a graph: it keeps no activations).
 fn reference_loss(s: &Session, params: &[f32], step: u64) -> anyhow::Result<f32> {
     let vars = s.model.vars_from_flat(&s.table, params)?;
-    let ps: Vec<_> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let ps: Vec<_> = vars.iter().map(|v| v.as_detached_tensor()).collect();
     let mut sum = 0.0;
     for k in s.my_micro_batches() {
         let b = s.sampler.micro_batch(step, k)?;

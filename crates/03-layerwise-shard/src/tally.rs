@@ -2,7 +2,7 @@
 //! collectives must move: the numbers the report prints beside the
 //! measured heap and the counted traffic.
 use fsdp_comm::ShardLayout;
-use fsdp_harness::session::pass_rows;
+use fsdp_harness::session::{pass_rows, widen_row};
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
@@ -45,25 +45,55 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
     // What the backward entries carry: the upstream gradient and the head's
     // outputs for each of my micro-batches.
     let carried = |m: &mut Moment, done: usize| {
-        m.add(&format!("upstream gradients ({dt})"), done * btc, e, "dL/dx at the unit boundary, (B, T, C) per micro-batch")
-            .add(&format!("lm_head part of wte grad ({dt})"), done * v * c, e, "per micro-batch, until the embedding's part")
-            .add(&format!("ln_f grads ({dt})"), done * 2 * c, e, "per micro-batch, until the root's gradient is summed");
+        m.add(
+            &format!("upstream gradients ({dt})"),
+            done * btc,
+            e,
+            "dL/dx at the unit boundary, (B, T, C) per micro-batch",
+        )
+        .add(
+            &format!("lm_head part of wte grad ({dt})"),
+            done * v * c,
+            e,
+            "per micro-batch, until the embedding's part",
+        )
+        .add(
+            &format!("ln_f grads ({dt})"),
+            done * 2 * c,
+            e,
+            "per micro-batch, until the root's gradient is summed",
+        );
     };
     let prefetched = |m: &mut Moment, next: Option<&FsdpUnit>| {
         if let Some(u) = next.filter(|u| prefetch && u.gathers()) {
-            m.add(&format!("next unit, prefetched ({dt})"), u.layout().padded, e, "--prefetch: its all-gather in flight");
+            m.add(
+                &format!("next unit, prefetched ({dt})"),
+                u.layout().padded,
+                e,
+                "--prefetch: its all-gather in flight",
+            );
         }
     };
     let sums = |m: &mut Moment, u: &FsdpUnit, k: usize| {
         let held = s.sum_groups.allocated_before(k);
-        m.add("unit grad sums (fp32)", held * u.layout().padded, 4, "over my micro-batches so far, then reduce-scattered");
+        m.add(
+            "unit grad sums (fp32)",
+            held * u.layout().padded,
+            4,
+            "over my micro-batches so far, then reduce-scattered",
+        );
     };
+    let largest_tensor = |u: &FsdpUnit| u.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
     let mut moments = vec![];
     for k in 0..mine {
         // The head: my micro-batch k's head forward and backward.
         let mut m = Moment::new(format!("head forward+backward, micro-batch {k}"));
-        m.add(&format!("root as candle Vars ({dt})"), units[0].layout().numel, e, "gathered, freed after use")
-            .add(&format!("saved unit inputs ({dt})"), (blocks * mine + mine - k) * btc, e, "(B, T, C) per unit and micro-batch");
+        m.add(&format!("root as candle Vars ({dt})"), units[0].layout().numel, e, "gathered, freed after use").add(
+            &format!("saved unit inputs ({dt})"),
+            (blocks * mine + mine - k) * btc,
+            e,
+            "(B, T, C) per unit and micro-batch",
+        );
         carried(&mut m, k);
         m.add(&format!("the head's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
         ids(&mut m);
@@ -74,13 +104,40 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
         for u in (1..=blocks).rev() {
             let unit = &units[u];
             let mut m = Moment::new(format!("recompute+backward of {}, micro-batch {k}", unit.name()));
-            m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use")
-                .add(&format!("saved unit inputs ({dt})"), u * mine * btc, e, "(B, T, C) per unit and micro-batch");
+            m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use").add(
+                &format!("saved unit inputs ({dt})"),
+                u * mine * btc,
+                e,
+                "(B, T, C) per unit and micro-batch",
+            );
             carried(&mut m, mine);
             sums(&mut m, unit, k);
             m.add(&format!("the unit's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
             ids(&mut m);
-            pass_rows(&mut m, &shapes.blocks_recomputed(unit.blocks(), (b, t)), "the unit's recomputed graph");
+            let f = shapes.blocks_recomputed(unit.blocks(), (b, t));
+            pass_rows(&mut m, &f, "the unit's recomputed graph");
+            prefetched(&mut m, (u > 1).then(|| &units[u - 1]));
+            moments.push(m);
+            // Then its gradient is added to the unit's sum, the graph still alive.
+            let mut m = Moment::new(format!("adding {}'s gradient of micro-batch {k}", unit.name()));
+            m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use").add(
+                &format!("saved unit inputs ({dt})"),
+                u * mine * btc,
+                e,
+                "(B, T, C) per unit and micro-batch",
+            );
+            carried(&mut m, mine);
+            sums(&mut m, unit, k + 1);
+            m.add(&format!("the unit's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
+            ids(&mut m);
+            m.add(
+                "activations the graph keeps",
+                f.activations,
+                1,
+                "the unit's recomputed graph, until the next micro-batch",
+            )
+            .add("candle's GradStore", f.grad_store, 1, "the unit's gradients and its input's");
+            widen_row(&mut m, e, largest_tensor(unit));
             prefetched(&mut m, (u > 1).then(|| &units[u - 1]));
             moments.push(m);
         }
@@ -91,7 +148,17 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
         m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), s.cfg.block_size * c + b * t * c, e, "stand-ins")
             .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
         ids(&mut m);
-        pass_rows(&mut m, &shapes.embedding_backward((b, t)), "the embedding's graph");
+        let f = shapes.embedding_backward((b, t));
+        pass_rows(&mut m, &f, "the embedding's graph");
+        moments.push(m);
+        let mut m = Moment::new(format!("adding the root's gradient of micro-batch {k}"));
+        carried(&mut m, mine);
+        sums(&mut m, &units[0], k + 1);
+        m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), s.cfg.block_size * c + b * t * c, e, "stand-ins")
+            .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added")
+            .add("candle's GradStore", f.grad_store, 1, "the rows' and wpe's gradients");
+        widen_row(&mut m, e, v * c);
+        ids(&mut m);
         moments.push(m);
     }
     k.peak(moments);

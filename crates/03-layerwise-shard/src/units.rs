@@ -239,6 +239,16 @@ impl FsdpUnit {
         Ok(())
     }
 
+    /// `buf += g` for gradients given by parameter-table entry (all of this
+    /// unit's), each onto its place in the unit's flat vector.
+    pub fn add_grads(&self, grads: &[(usize, Tensor)], buf: &mut [f32]) -> Result<(), fsdp_gpt::GptError> {
+        for (i, g) in grads {
+            let j = self.params.iter().position(|p| p == i).expect("a gradient of this unit's");
+            fsdp_gpt::model::add_into(&mut buf[self.ranges[j].clone()], g)?;
+        }
+        Ok(())
+    }
+
     /// Copies a gathered unit's parameters to their places in the model's flat vector.
     pub fn place(&self, table: &ParamTable, gathered: &[f32], model: &mut [f32]) {
         for (&i, r) in self.params.iter().zip(&self.ranges) {

@@ -18,9 +18,10 @@ use std::process::ExitCode;
 use clap::Parser;
 use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
+use fsdp_harness::session::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs};
 use step04_optimizer_state_shard::OptimizerStateShard;
-use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally};
+use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally, stage2_tally};
 
 const LESSON: Lesson = Lesson {
     package: "step04-optimizer-state-shard",
@@ -42,6 +43,10 @@ struct Args {
     /// Stage 3: start the next unit's all-gather while computing this one.
     #[arg(long)]
     prefetch: bool,
+    /// Stages 1 and 2: activation checkpointing, block by block (less
+    /// memory, one more forward, the same bits). Stage 3 always recomputes.
+    #[arg(long)]
+    recompute: bool,
 }
 
 const STAGES: [&str; 3] = [
@@ -64,9 +69,18 @@ fn main() -> ExitCode {
             ),
             ("gradient reduce dtype", "fp32, summed as a fixed pairwise tree".to_string()),
             ("prefetch", if args.prefetch && args.stage == 3 { "on".into() } else { "off".into() }),
+            (
+                "activations",
+                match args.stage {
+                    3 => {
+                        "recomputed unit by unit (always at stage 3: a graph would keep the gathered unit alive)".into()
+                    }
+                    _ => recompute_note(args.recompute),
+                },
+            ),
         ]);
 
-        let mut zero = OptimizerStateShard::new(&s, start, args.stage, args.precision, args.prefetch)?;
+        let mut zero = OptimizerStateShard::new(&s, start, args.stage, args.precision, args.prefetch, args.recompute)?;
         world.reset_traffic(); // stages 1–2 gathered their resident copies: setup, not a step
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         for step in s.steps() {
@@ -99,7 +113,8 @@ fn main() -> ExitCode {
         };
         let gathers = if args.stage == 3 { 2 } else { 1 };
         let memory = match args.stage {
-            1 => stage1_tally(&s, units),
+            1 => stage1_tally(&s, units, args.recompute),
+            2 => stage2_tally(&s, units, args.recompute),
             _ => step03_layerwise_shard::tally::tally(&s, units, zero.fsdp.prefetch), // lesson 03's schedule
         };
         let mut report = Report::new(&s, &run, memory);
@@ -118,7 +133,9 @@ fn main() -> ExitCode {
             .json("precision", serde_json::json!(args.precision.to_string()))
             .json(
                 "side_by_side_bytes",
-                serde_json::json!([0u8, 1, 2, 3].iter().map(|&st| model_states(st, shapes).total_bytes()).collect::<Vec<_>>()),
+                serde_json::json!(
+                    [0u8, 1, 2, 3].iter().map(|&st| model_states(st, shapes).total_bytes()).collect::<Vec<_>>()
+                ),
             );
         report.finish(Some(&full))
     })

@@ -8,18 +8,21 @@
 //! | stage | sharded | the step |
 //! |---|---|---|
 //! | 1 | fp32 master, `m`, `v` | whole-model forward/backward on a replicated bf16 copy; reduce-scatter the gradient; update my shard; all-gather the new bf16 weights |
-//! | 2 | + gradients | backward unit by unit, each unit's gradient reduce-scattered and freed at once; the bf16 copy still replicated |
+//! | 2 | + gradients | backward block by block; each unit's gradient reduce-scattered and freed as soon as my last micro-batch's backward completes it; the bf16 copy still replicated |
 //! | 3 | + parameters | lesson 03: every unit gathered just in time (in bf16: half the bytes), freed after use |
 //!
 //! The stages share everything but *where the compute copy lives*: stages 1
 //! and 2 keep each unit's copy unsharded between steps (FSDP2's
-//! `reshard_after_forward=False`, see [`UnitPolicy`]), stage 3 gathers it. Stages 2 and 3 are lesson 03's [`LayerwiseShard`], reused;
-//! stage 1 is the whole-graph step below. All three give lesson 01's weights
-//! under the same precision, bit for bit.
+//! `reshard_after_forward=False`, see [`UnitPolicy`]), stage 3 gathers it.
+//! Stage 3 is lesson 03's [`LayerwiseShard`], reused, and so always
+//! recomputes (a unit's graph would hold its gathered weights alive);
+//! stages 1 and 2 keep the activations for backward unless `--recompute`
+//! (the same mechanism, [`fsdp_gpt::blockwise`], in lessons 01 and 02).
+//! All give lesson 01's weights under the same precision, bit for bit.
 use candle_core::Var;
 use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
-use fsdp_gpt::model::add_grads;
+use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start};
 use step03_layerwise_shard::LayerwiseShard;
 use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units};
@@ -27,27 +30,37 @@ use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units};
 /// One rank's share of the training state at ZeRO stage `stage`.
 pub struct OptimizerStateShard {
     pub stage: u8,
+    /// `--recompute` (stages 1 and 2; stage 3 always recomputes).
+    pub recompute: bool,
     /// The units (one per block, and the root) and lesson 03's schedule over them.
     pub fsdp: LayerwiseShard,
 }
 
 impl OptimizerStateShard {
     // ANCHOR: new
-    pub fn new(s: &Session, start: Start, stage: u8, precision: Precision, prefetch: bool) -> anyhow::Result<Self> {
+    pub fn new(
+        s: &Session,
+        start: Start,
+        stage: u8,
+        precision: Precision,
+        prefetch: bool,
+        recompute: bool,
+    ) -> anyhow::Result<Self> {
         // Stages 1 and 2 keep each unit's compute copy unsharded from step to
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
         let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype() };
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are cut: the whole start state goes
-        Ok(Self { stage, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3 } })
+        Ok(Self { stage, recompute, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3 } })
     }
     // ANCHOR_END: new
 
     /// One training step; returns the mean loss over the global batch.
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
         match self.stage {
-            1 => whole_model_step(&mut self.fsdp.units, s, step, tl),
-            _ => self.fsdp.step(s, step, tl), // stages 2 and 3: lesson 03's unit-by-unit step
+            1 => whole_model_step(&mut self.fsdp.units, s, step, self.recompute, tl),
+            2 => blockwise_step(&mut self.fsdp.units, s, step, self.recompute, tl),
+            _ => self.fsdp.step(s, step, tl), // stage 3: lesson 03's unit-by-unit step
         }
     }
 }
@@ -56,26 +69,24 @@ impl OptimizerStateShard {
 // ANCHOR: step
 /// ZeRO-1: forward/backward through the whole replicated compute copy,
 /// reduce-scatter the gradient, update my shard, all-gather the new weights.
-fn whole_model_step(units: &mut [FsdpUnit], s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
+fn whole_model_step(
+    units: &mut [FsdpUnit],
+    s: &Session,
+    step: u64,
+    recompute: bool,
+    tl: &mut MemoryTimeline,
+) -> anyhow::Result<f32> {
     let w = s.world;
-    // The resident compute copy as candle Vars, per unit and in model order.
-    let per_unit: Vec<Vec<Var>> = units
-        .iter()
-        .map(|u| Ok(s.model.vars_from_tensor(&s.table, u.params(), &u.unshard(w)?)?))
-        .collect::<anyhow::Result<_>>()?;
-    let mut in_order: Vec<(usize, Var)> =
-        units.iter().zip(&per_unit).flat_map(|(u, vs)| u.params().iter().copied().zip(vs.iter().cloned())).collect();
-    in_order.sort_by_key(|(i, _)| *i);
-    let vars: Vec<Var> = in_order.into_iter().map(|(_, v)| v).collect();
+    let (per_unit, vars) = resident_vars(units, s)?;
     tl.mark("compute copy as candle Vars");
 
     // 1. forward/backward on my micro-batches: the *whole* gradient, summed in fp32
     let mut sums: Vec<MicroBatchSum> = units.iter().map(|u| s.grad_sum(u.layout().padded)).collect(); // one per unit
     let mut loss_sum = 0.0;
     for k in s.my_micro_batches() {
-        let (loss, grads) = s.forward_backward(&vars, step, k)?;
-        for (sum, vs) in sums.iter_mut().zip(&per_unit) {
-            sum.add(|buf| add_grads(&grads, vs, buf))?;
+        let (loss, grads) = s.forward_backward(&vars, step, k, recompute)?;
+        for ((sum, vs), u) in sums.iter_mut().zip(&per_unit).zip(units.iter()) {
+            sum.add(|buf| grads.add_to(u.params(), vs, buf))?;
         }
         loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}"));
@@ -99,3 +110,65 @@ fn whole_model_step(units: &mut [FsdpUnit], s: &Session, step: u64, tl: &mut Mem
 }
 // ANCHOR_END: step
 // ANCHOR_END: stage1
+
+// ANCHOR: stage2
+/// ZeRO-2: one micro-batch at a time through the resident compute copy,
+/// block by block ([`blockwise`]). A unit's gradient is complete once my
+/// last micro-batch's backward has passed it: it is reduce-scattered at that
+/// moment and its sum freed, while the blocks before it still compute — the
+/// whole gradient never exists at once in that last backward.
+fn blockwise_step(
+    units: &mut [FsdpUnit],
+    s: &Session,
+    step: u64,
+    recompute: bool,
+    tl: &mut MemoryTimeline,
+) -> anyhow::Result<f32> {
+    let w = s.world;
+    let (per_unit, vars) = resident_vars(units, s)?;
+    drop(per_unit); // `vars` holds the same tensors, in model order
+    tl.mark("compute copy as candle Vars");
+    let mut sums: Vec<Option<MicroBatchSum>> = units.iter().map(|u| Some(s.grad_sum(u.layout().padded))).collect();
+    let last = s.my_micro_batches().end - 1;
+    let mut loss_sum = 0.0;
+    for k in s.my_micro_batches() {
+        let batch = s.sampler.micro_batch(step, k)?;
+        let loss = blockwise::forward_backward(&s.model, &s.table, &vars, &batch, recompute, |_, grads| {
+            let u = units.iter().position(|u| u.params().contains(&grads[0].0)).expect("every gradient has a unit");
+            let unit = &mut units[u];
+            let sum = sums[u].as_mut().expect("a unit's sum lives until my last micro-batch");
+            sum.add(|buf| unit.add_grads(&grads, buf))?;
+            if k == last {
+                // The hand-off: my share of the unit's gradient is complete.
+                unit.reduce_scatter(w, sum);
+                sums[u] = None;
+            }
+            Ok(())
+        })?;
+        loss_sum += loss as f64;
+        tl.mark(format!("forward+backward, micro-batch {k}, units reduce-scattered after the last"));
+    }
+    drop(vars);
+
+    // AdamW on my fp32 shard; all-gather the new compute copy (inside `update`).
+    let inv = 1.0 / s.sampler.micro_batches as f32;
+    for u in units.iter_mut() {
+        u.update(w, inv)?;
+    }
+    tl.mark("AdamW on my shard, all-gather the new weights");
+    Ok((w.sum_f64(&[loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
+}
+// ANCHOR_END: stage2
+
+/// The resident compute copy as candle Vars: per unit, and in model order.
+fn resident_vars(units: &[FsdpUnit], s: &Session) -> anyhow::Result<(Vec<Vec<Var>>, Vec<Var>)> {
+    let w = s.world;
+    let per_unit: Vec<Vec<Var>> = units
+        .iter()
+        .map(|u| Ok(s.model.vars_from_tensor(&s.table, u.params(), &u.unshard(w)?)?))
+        .collect::<anyhow::Result<_>>()?;
+    let mut in_order: Vec<(usize, Var)> =
+        units.iter().zip(&per_unit).flat_map(|(u, vs)| u.params().iter().copied().zip(vs.iter().cloned())).collect();
+    in_order.sort_by_key(|(i, _)| *i);
+    Ok((per_unit, in_order.into_iter().map(|(_, v)| v).collect()))
+}

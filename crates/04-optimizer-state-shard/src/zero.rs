@@ -1,6 +1,7 @@
 //! The bytes of ZeRO, two ways: from first principles for any model size
 //! (the paper's formulas, `just tally 7B 64`), and from this run's shapes,
 //! category by category, for data parallelism and each stage side by side.
+use fsdp_gpt::Unit;
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 use step03_layerwise_shard::units::FsdpUnit;
@@ -117,10 +118,9 @@ pub fn model_states(stage: u8, sh: Shapes) -> MemoryTally {
 // ANCHOR_END: model_states
 
 // ANCHOR: stage1_tally
-/// This rank's bytes under ZeRO-1, from shapes: the shards and the
-/// resident compute copy (kept), and the peak — a micro-batch's backward
-/// through the whole model, with every unit's gradient sums.
-pub fn stage1_tally(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
+/// What ZeRO-1 and ZeRO-2 keep from step to step: the shards, the resident
+/// compute copy, the reduce-scatter's receive buffer, the data.
+fn resident_kept(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
     let (n, e) = (s.world.size(), units[0].param_bytes());
     let dt = if e == 2 { "bf16" } else { "fp32" };
     let shard: usize = units.iter().map(|u| u.layout().shard_len).sum();
@@ -137,20 +137,100 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
         t.add("all-to-all receive buffer", most, 4, "the reduce-scatter's input from every rank, largest unit, kept");
     }
     s.data_tally(&mut t);
-    let moments = (0..s.my_micro_batches().len())
-        .map(|k| {
-            let mut m = Moment::new(format!("backward of micro-batch {k}"));
-            let held = s.sum_groups.allocated_before(k);
-            m.add(&format!("compute copy as candle Vars ({dt})"), s.table.numel(), e, "whole model")
-                .add("grad sums (fp32)", held * padded, 4, "whole model, over my micro-batches so far");
-            s.forward_backward_tally(&mut m, e);
-            m
-        })
-        .collect();
+    t
+}
+
+/// This rank's bytes under ZeRO-1, from shapes: what it keeps, and the
+/// peak — a micro-batch's backward through the whole model (block by block
+/// under `--recompute`), with every unit's gradient sums.
+pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryTally {
+    let e = units[0].param_bytes();
+    let dt = if e == 2 { "bf16" } else { "fp32" };
+    let padded: usize = units.iter().map(|u| u.layout().padded).sum();
+    let numel = s.table.numel();
+    let mut t = resident_kept(s, units);
+    let mut moments = vec![];
+    for k in 0..s.my_micro_batches().len() {
+        let held = s.sum_groups.allocated_before(k);
+        let vars_and_sums = |m: &mut Moment, held: usize| {
+            m.add(&format!("compute copy as candle Vars ({dt})"), numel, e, "whole model").add(
+                "grad sums (fp32)",
+                held * padded,
+                4,
+                "whole model, over my micro-batches so far",
+            );
+        };
+        match recompute {
+            false => {
+                let mut m = Moment::new(format!("backward of micro-batch {k}"));
+                vars_and_sums(&mut m, held);
+                s.forward_backward_tally(&mut m, e);
+                moments.push(m);
+            }
+            true => moments.extend(s.blockwise_moments(e, true, &format!("micro-batch {k}"), &mut |unit, m| {
+                vars_and_sums(m, held);
+                m.add(&format!("gradients collected ({dt})"), s.blocks_done(unit), e, "the blocks done so far");
+            })),
+        }
+        let mut m = Moment::new(format!("adding micro-batch {k}'s gradients to the sums"));
+        vars_and_sums(&mut m, s.sum_groups.allocated_before(k + 1));
+        s.gradient_add_tally(&mut m, e, recompute);
+        moments.push(m);
+    }
     t.peak(moments);
     t
 }
 // ANCHOR_END: stage1_tally
+
+// ANCHOR: stage2_tally
+/// This rank's bytes under ZeRO-2, from shapes: what it keeps, and the
+/// peak over the block-by-block backward of every micro-batch of mine.
+/// Each unit's sum holds its buffers until my last micro-batch's backward
+/// has added to it, then is reduce-scattered and freed.
+pub fn stage2_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryTally {
+    let e = units[0].param_bytes();
+    let dt = if e == 2 { "bf16" } else { "fp32" };
+    let mine = s.my_micro_batches().len();
+    // Which unit holds block i's parameters, and the root.
+    let unit_of = |u: Unit| -> usize {
+        let first = s.table.unit_params(u).start;
+        units.iter().position(|x| x.params().contains(&first)).expect("a unit")
+    };
+    let order: Vec<usize> = (0..s.cfg.n_layer).rev().map(|i| unit_of(Unit::Block(i))).chain([0]).collect();
+    let mut t = resident_kept(s, units);
+    let mut moments = vec![];
+    for k in 0..mine {
+        moments.extend(s.blockwise_moments(e, recompute, &format!("micro-batch {k}"), &mut |now, m| {
+            // Units whose backward is done in this micro-batch come before `now` in `order`.
+            let done = match now {
+                Unit::FinalNorm => 0,
+                u => order.iter().position(|&x| x == unit_of(u)).expect("in order"),
+            };
+            let sums: usize = units
+                .iter()
+                .enumerate()
+                .map(|(x, unit)| {
+                    let added = order[..done].contains(&x);
+                    let buffers = match (added, k + 1 == mine) {
+                        (true, true) => 0, // reduce-scattered and freed
+                        (true, false) => s.sum_groups.allocated_before(k + 1),
+                        (false, _) => s.sum_groups.allocated_before(k),
+                    };
+                    buffers * unit.layout().padded
+                })
+                .sum();
+            m.add(&format!("compute copy as candle Vars ({dt})"), s.table.numel(), e, "whole model").add(
+                "unit grad sums (fp32)",
+                sums,
+                4,
+                "units not yet reduce-scattered, over my micro-batches so far",
+            );
+        }));
+    }
+    t.peak(moments);
+    t
+}
+// ANCHOR_END: stage2_tally
 
 /// Data parallelism and the three stages, side by side, for this run's
 /// model and world size: the from-shapes total, and the paper's formula.

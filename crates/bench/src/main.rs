@@ -292,7 +292,8 @@ fn plots(rows: &[Row], out: &Path) -> anyhow::Result<()> {
                 dashed: i >= 3,
             })
             .collect(),
-        y_range: None,
+        y_from_zero: true, // amounts: a bar from zero, not from the smallest
+        ..Default::default()
     };
     let tps: Vec<Chart> =
         presets.iter().map(|p| chart("tokens/s, all ranks", "tokens / s", &|r| r.tokens_per_s, p)).collect();

@@ -26,11 +26,14 @@
 //! | [`params`] | the parameter order, nanoGPT names, flat layout, deterministic init |
 //! | [`kernels`] | our own matmul: the same bits on every machine (candle's depends on the CPU) |
 //! | [`model`] | the forward pass, also one unit (embedding, block, head) at a time |
+//! | [`blockwise`] | forward and backward block by block, with or without recompute: the same bits as one backward |
+//! | [`memory`] | what a forward/backward pass holds, from shapes: candle's backward replayed op by op |
 //! | [`data`] | the generated default corpus, the vocabulary, the world-size-invariant sampler |
 //! | [`adamw`] | AdamW over flat `f32` slices, `torch.optim.AdamW` semantics |
 //! | [`weights_file`] | the weights as one safetensors file with nanoGPT's names and layouts |
 
 pub mod adamw;
+pub mod blockwise;
 pub mod config;
 pub mod data;
 pub mod error;

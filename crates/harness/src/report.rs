@@ -145,7 +145,13 @@ impl MemoryTally {
         total(&mut t, "kept from step to step", self.kept_bytes());
         if self.rows.iter().any(|r| r.held == Held::AtPeak) {
             t.separator();
-            t.row([format!("at the peak: {}", self.peak_at), String::new(), String::new(), String::new(), String::new()]);
+            t.row([
+                format!("at the peak: {}", self.peak_at),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+            ]);
             rows(&mut t, Held::AtPeak);
         }
         t.separator();
@@ -344,7 +350,7 @@ impl<'a, 'w> Report<'a, 'w> {
                 points: points_from(s.first_step, &self.run.losses),
                 dashed: false,
             }],
-            y_range: None,
+            ..Default::default()
         };
         write("loss.svg", crate::plot::svg(&[loss]).as_bytes())?;
         for (file, charts) in &self.charts {

@@ -4,17 +4,18 @@ use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use fsdp_comm::{MicroBatchSum, SumGroups, World};
+use fsdp_gpt::Unit;
+use fsdp_gpt::blockwise::{self, Grads};
 use fsdp_gpt::memory::{Footprint, ModelShapes};
 use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
 
 use crate::checkpoint::{Meta, Resumed};
 use crate::cli::TrainArgs;
 use crate::edge::{Lesson, agree};
-use crate::resume::ThisRun;
 use crate::report::{MemoryTally, Moment};
+use crate::resume::ThisRun;
 use crate::table::{Table, thousands};
 
 /// Everything a lesson's training loop needs besides its own state.
@@ -232,14 +233,21 @@ impl<'w> Session<'w> {
     }
 
     /// Forward and backward of micro-batch `k` of `step` through the model
-    /// whose parameters are `vars`; returns the loss and the gradients.
-    pub fn forward_backward(&self, vars: &[Var], step: u64, k: usize) -> anyhow::Result<(f32, GradStore)> {
+    /// whose parameters are `vars`; returns the loss and the gradients. With
+    /// `recompute` (activation checkpointing) block by block, each block's
+    /// forward recomputed just before its backward: less memory, one more
+    /// forward, the same bits.
+    pub fn forward_backward(&self, vars: &[Var], step: u64, k: usize, recompute: bool) -> anyhow::Result<(f32, Grads)> {
         let batch = self.sampler.micro_batch(step, k)?;
+        if recompute {
+            // Block by block, each block's forward recomputed from its input.
+            return Ok(blockwise::forward_backward_collected(&self.model, &self.table, vars, &batch, true)?);
+        }
         let params: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let logits = self.model.forward(&self.table, &params, &batch.inputs)?; // (B, T, V)
         let loss = fsdp_gpt::model::loss(&logits, &batch.targets)?;
         let grads = loss.backward()?;
-        Ok((loss.to_scalar::<f32>()?, grads))
+        Ok((loss.to_scalar::<f32>()?, Grads::Graph(grads)))
     }
 
     /// The shapes of this run's model in a compute dtype of `elem` bytes
@@ -253,9 +261,10 @@ impl<'w> Session<'w> {
         (self.sampler.batch_size, self.sampler.seq_len)
     }
 
-    /// What [`Session::forward_backward`] holds at its peak, by category:
-    /// the micro-batch, the activations the graph keeps, the backward's
-    /// gradients and temporaries on top. `elem`: the compute dtype's bytes.
+    /// What [`Session::forward_backward`] without recompute holds at its
+    /// peak, by category: the micro-batch, the activations the graph keeps,
+    /// the backward's gradients and temporaries on top. `elem`: the compute
+    /// dtype's bytes.
     pub fn forward_backward_tally(&self, m: &mut Moment, elem: usize) {
         let (b, t) = self.micro_batch_shape();
         let f = self.shapes(elem).whole_model(&self.table, (b, t));
@@ -263,9 +272,117 @@ impl<'w> Session<'w> {
         pass_rows(m, &f, "the whole model's graph");
     }
 
+    /// The moments of one micro-batch of [`fsdp_gpt::blockwise`]: the head,
+    /// each block's backward, the embedding's backward — what the mechanism
+    /// holds at each, and what the lesson holds (`held`, asked per unit:
+    /// `FinalNorm` for the head). `label` names the micro-batch.
+    pub fn blockwise_moments(
+        &self,
+        elem: usize,
+        recompute: bool,
+        label: &str,
+        held: &mut dyn FnMut(Unit, &mut Moment),
+    ) -> Vec<Moment> {
+        let (e, (b, t), c, v) = (elem, self.micro_batch_shape(), self.cfg.n_embd, self.cfg.vocab_size);
+        let (btc, layers, dt) = (b * t * c, self.cfg.n_layer, if elem == 2 { "bf16" } else { "fp32" });
+        let shapes = self.shapes(e);
+        let block = shapes.blocks_recomputed(1, (b, t));
+        // What waits for the blocks before it: their inputs (recompute) or graphs.
+        let waiting = |m: &mut Moment, blocks: usize| {
+            match recompute {
+                true => m.add(
+                    &format!("saved block inputs ({dt})"),
+                    blocks * btc,
+                    e,
+                    "(B, T, C) per block, recomputed from",
+                ),
+                false => m
+                    .add(
+                        "block graphs waiting for backward",
+                        blocks * block.activations,
+                        1,
+                        "each block's activations, kept",
+                    )
+                    .add(&format!("their inputs as Vars ({dt})"), blocks * btc, e, "(B, T, C) per block"),
+            };
+        };
+        let carried = |m: &mut Moment| {
+            m.add(&format!("upstream gradient ({dt})"), btc, e, "dL/dx at the current block boundary")
+                .add(&format!("lm_head part of wte grad ({dt})"), v * c, e, "until the embedding's backward")
+                .add(&format!("ln_f grads ({dt})"), 2 * c, e, "until the root's gradient is complete");
+        };
+        let ids = |m: &mut Moment| {
+            m.add("micro-batch token ids", 2 * b * t, 4, "inputs and targets (B, T)");
+        };
+        let mut moments = vec![];
+        let mut m = Moment::new(format!("head forward+backward, {label}"));
+        waiting(&mut m, layers);
+        m.add(&format!("the head's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
+        ids(&mut m);
+        pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph");
+        held(Unit::FinalNorm, &mut m);
+        moments.push(m);
+        for i in (0..layers).rev() {
+            let what = if recompute { "recompute+backward" } else { "backward" };
+            let mut m = Moment::new(format!("{what} of h.{i}, {label}"));
+            waiting(&mut m, i);
+            carried(&mut m);
+            m.add(&format!("the block's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
+            ids(&mut m);
+            pass_rows(&mut m, &block, "the block's graph");
+            held(Unit::Block(i), &mut m);
+            moments.push(m);
+        }
+        let mut m = Moment::new(format!("embedding backward, {label}"));
+        carried(&mut m);
+        m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), self.cfg.block_size * c + btc, e, "stand-ins")
+            .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
+        ids(&mut m);
+        pass_rows(&mut m, &shapes.embedding_backward((b, t)), "the embedding's graph");
+        held(Unit::Embedding, &mut m);
+        moments.push(m);
+        moments
+    }
+
+    /// Parameters of the blocks whose backward is done when `unit`'s runs
+    /// (block by block, last first): what a collecting backward holds.
+    pub fn blocks_done(&self, unit: Unit) -> usize {
+        let block = |i: usize| self.table.unit_range(Unit::Block(i)).len();
+        match unit {
+            Unit::FinalNorm => 0,
+            Unit::Block(i) => (i + 1..self.cfg.n_layer).map(block).sum(),
+            Unit::Embedding => (0..self.cfg.n_layer).map(block).sum(),
+        }
+    }
+
+    /// The gradients [`Session::forward_backward`] returns: candle's
+    /// GradStore (with the causal mask's), or under recompute the
+    /// parameters' gradients alone.
+    pub fn grads_bytes(&self, elem: usize, recompute: bool) -> usize {
+        match recompute {
+            true => self.table.numel() * elem,
+            false => self.shapes(elem).whole_model(&self.table, self.micro_batch_shape()).grad_store,
+        }
+    }
+
+    /// What adding a micro-batch's gradients onto the sums holds besides
+    /// them, after [`Session::forward_backward`]: its GradStore and, under
+    /// bf16, one tensor's gradient widened to fp32 at a time.
+    pub fn gradient_add_tally(&self, m: &mut Moment, elem: usize, recompute: bool) {
+        let note =
+            if recompute { "every parameter's, block by block" } else { "candle's GradStore (and the causal mask's)" };
+        m.add("the micro-batch's gradients", self.grads_bytes(elem, recompute), 1, note);
+        widen_row(m, elem, self.table.specs.iter().map(|s| s.numel()).max().unwrap_or(0));
+    }
+
     /// The token ids the run holds, kept: the corpus and the sampler's copy.
     pub fn data_tally(&self, t: &mut MemoryTally) {
-        t.add("training text as token ids", 2 * self.corpus.tokens.len(), 4, "the corpus and the sampler's copy (u32)");
+        t.add("training text as token ids", self.data_bytes() / 4, 4, "the corpus and the sampler's copy (u32)");
+    }
+
+    /// Bytes of [`Session::data_tally`].
+    pub fn data_bytes(&self) -> usize {
+        2 * self.corpus.tokens.len() * 4
     }
 
     /// A start state from the seed alone (for a side run beside training,
@@ -437,5 +554,26 @@ impl<'w> Session<'w> {
 /// and the most its backward holds on top (gradients, sums, temporaries).
 pub fn pass_rows(m: &mut Moment, f: &Footprint, graph: &str) {
     m.add("activations the graph keeps", f.activations, 1, &format!("{graph}: every op's output, until backward ends"))
-        .add("backward: gradients and temporaries", f.backward_peak, 1, "in flight at its busiest, as candle's backward runs");
+        .add(
+            "backward: gradients and temporaries",
+            f.backward_peak,
+            1,
+            "in flight at its busiest, as candle's backward runs",
+        );
+}
+
+/// Under bf16, `add_grads` widens each gradient to fp32 before adding it:
+/// one tensor's worth (the largest, `numel`) at a time.
+pub fn widen_row(m: &mut Moment, elem: usize, numel: usize) {
+    if elem != 4 {
+        m.add("a gradient widened to fp32", numel, 4, "add_grads, one tensor at a time (the largest)");
+    }
+}
+
+/// The config table's line for the activation policy.
+pub fn recompute_note(recompute: bool) -> String {
+    match recompute {
+        true => "recomputed block by block (--recompute): inputs kept, one more forward".into(),
+        false => "kept for backward (the whole graph)".into(),
+    }
 }

@@ -56,7 +56,8 @@ impl MemoryTimeline {
     }
 
     /// A chart of the step: the peak within each event (solid) and the
-    /// live heap after it (dashed), in MB, one step of the staircase per event.
+    /// live heap after it (dashed), in MB, one step of the staircase per
+    /// event, each named under the axis; the heap axis starts at zero.
     pub fn chart(&self, title: &str, y_range: Option<(f64, f64)>) -> Chart {
         let mb = |b: u64| b as f64 / 1e6;
         // A staircase: event i spans [i, i + 1] on the x axis.
@@ -69,7 +70,7 @@ impl MemoryTimeline {
         };
         Chart {
             title: title.into(),
-            x_label: "event of one step (gather, compute, free, reduce …)".into(),
+            x_label: "the events of one step, in order".into(),
             y_label: "heap, MB".into(),
             series: vec![
                 Series {
@@ -86,6 +87,8 @@ impl MemoryTimeline {
                 },
             ],
             y_range,
+            y_from_zero: true,
+            x_names: self.events.iter().enumerate().map(|(i, e)| (i as f64 + 0.5, e.label.clone())).collect(),
         }
     }
 }

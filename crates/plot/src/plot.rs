@@ -13,7 +13,7 @@ pub struct Series {
 }
 
 /// One panel: axes, labels, and its series.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Chart {
     pub title: String,
     pub x_label: String,
@@ -21,6 +21,12 @@ pub struct Chart {
     pub series: Vec<Series>,
     /// Fixed y range; by default the data's range with a margin.
     pub y_range: Option<(f64, f64)>,
+    /// The y axis starts at zero (amounts, such as bytes: a bar that starts
+    /// elsewhere exaggerates every difference).
+    pub y_from_zero: bool,
+    /// Named x positions (the events of a step), written slanted under the
+    /// axis instead of numbers.
+    pub x_names: Vec<(f64, String)>,
 }
 
 const W: f64 = 520.0;
@@ -30,15 +36,20 @@ const RIGHT: f64 = 20.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 50.0;
 
+/// Room under the axis for slanted names (`Chart::x_names`).
+const NAMES: f64 = 150.0;
+
 /// Lays the charts out side by side in one SVG document.
 pub fn svg(charts: &[Chart]) -> String {
     let width = W * charts.len() as f64;
+    let below = if charts.iter().any(|c| !c.x_names.is_empty()) { NAMES } else { 0.0 };
+    let height = H + below;
     let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{H}\" viewBox=\"0 0 {width} {H}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" viewBox=\"0 0 {width} {height}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
     );
     for (i, c) in charts.iter().enumerate() {
         s.push_str(&format!("<g transform=\"translate({},0)\">\n", i as f64 * W));
-        s.push_str(&c.render());
+        s.push_str(&c.render(below));
         s.push_str("</g>\n");
     }
     s.push_str("</svg>\n");
@@ -46,7 +57,8 @@ pub fn svg(charts: &[Chart]) -> String {
 }
 
 impl Chart {
-    fn render(&self) -> String {
+    /// The panel, with `below` extra pixels under the axis for slanted names.
+    fn render(&self, below: f64) -> String {
         // Non-finite values (a diverged loss) are left out, not allowed to break the chart.
         let pts = self.series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| x.is_finite() && y.is_finite());
         let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
@@ -62,9 +74,13 @@ impl Chart {
         if x1 == x0 {
             x1 = x0 + 1.0;
         }
+        if self.y_from_zero {
+            y0 = y0.min(0.0);
+        }
         let (y0, y1) = match self.y_range {
             Some(r) => r,
             None if y1 == y0 => (y0 - 1.0, y1 + 1.0),
+            None if self.y_from_zero => (y0, y1 + 0.08 * (y1 - y0)),
             None => (y0 - 0.05 * (y1 - y0), y1 + 0.05 * (y1 - y0)),
         };
         let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
@@ -107,18 +123,28 @@ impl Chart {
             (ticks(x0, x1, step), step)
         };
         let x_scale = x0.abs().max(x1.abs());
-        for xv in x_ticks {
+        if self.x_names.is_empty() {
+            for xv in x_ticks {
+                s.push_str(&format!(
+                    "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+                    sx(xv),
+                    TOP + ph + 16.0,
+                    label(xv, x_step, x_scale)
+                ));
+            }
+        }
+        for (xv, name) in &self.x_names {
+            // Slanted, ending at its tick, so that long names do not overlap.
+            let (x, y) = (sx(*xv) + 3.0, TOP + ph + 10.0);
             s.push_str(&format!(
-                "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
-                sx(xv),
-                TOP + ph + 16.0,
-                label(xv, x_step, x_scale)
+                "<text transform=\"translate({x:.1},{y:.1}) rotate(-60)\" text-anchor=\"end\" font-size=\"9\">{}</text>\n",
+                esc(name)
             ));
         }
         s.push_str(&format!(
             "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
             LEFT + pw / 2.0,
-            H - 10.0,
+            H + below - 10.0,
             esc(&self.x_label)
         ));
         s.push_str(&format!(
@@ -255,6 +281,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn amounts_start_at_zero_and_events_are_named() {
+        let c = Chart {
+            title: "heap".into(),
+            x_label: "event".into(),
+            y_label: "MB".into(),
+            series: vec![Series {
+                name: "peak".into(),
+                color: "#000",
+                points: vec![(0.0, 50.0), (1.0, 60.0)],
+                dashed: false,
+            }],
+            y_from_zero: true,
+            x_names: vec![(0.5, "gather h.0".into()), (1.5, "free <it>".into())],
+            ..Default::default()
+        };
+        let s = svg(&[c]);
+        assert!(s.contains(">0</text>"), "a tick at zero: the axis starts there");
+        assert!(s.contains("rotate(-60)\" text-anchor=\"end\" font-size=\"9\">gather h.0</text>"));
+        assert!(s.contains("free &lt;it&gt;"));
+        assert!(s.contains(&format!("height=\"{}\"", H + NAMES)), "room for the names");
+    }
+
+    #[test]
     fn two_panels_are_placed_side_by_side_and_deterministic() {
         let c = Chart {
             title: "loss".into(),
@@ -266,7 +315,7 @@ mod tests {
                 points: vec![(1.0, 4.0), (2.0, 3.0)],
                 dashed: false,
             }],
-            y_range: None,
+            ..Default::default()
         };
         let s = svg(&[c.clone(), c.clone()]);
         assert!(s.starts_with("<svg") && s.ends_with("</svg>\n"));
@@ -310,7 +359,7 @@ mod tests {
                 },
                 Series { name: "no finite point".into(), color: "#111", points: vec![(1.0, f64::NAN)], dashed: false },
             ],
-            y_range: None,
+            ..Default::default()
         };
         let s = svg(&[c]);
         assert!(s.contains("points=\"70.0,"), "the finite points are drawn");
@@ -331,6 +380,7 @@ mod tests {
                 dashed: false,
             }],
             y_range: Some((0.0, 10.0)),
+            ..Default::default()
         };
         let s = svg(&[c]);
         for x in ["1", "2", "4"] {
