@@ -10,7 +10,8 @@ fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
 }
 
 /// Every stage equals lesson 01 bit for bit, under fp32 and under bf16, at
-/// N = 1, 2, 3, 4 — the weights files byte-identical.
+/// N = 1, 2, 3, 4, stages 1 and 2 also under `--recompute` — the weights
+/// files byte-identical.
 #[test]
 fn every_stage_equals_lesson_01_under_both_precisions() {
     for precision in ["fp32", "bf16"] {
@@ -23,18 +24,17 @@ fn every_stage_equals_lesson_01_under_both_precisions() {
             );
             ok_stdout(&o);
             let dp_weights = std::fs::read(dp.join("weights.safetensors")).unwrap();
-            for stage in ["1", "2", "3"] {
-                let (o, out) = mpirun(
-                    PKG,
-                    n,
-                    &with(&["--precision", precision, "--stage", stage]),
-                    &format!("l04-{precision}-{n}-{stage}"),
-                );
+            // Stages 1 and 2 with and without recompute; stage 3 always recomputes.
+            for stage in [&["1"][..], &["2"], &["3"], &["1", "--recompute"], &["2", "--recompute"]] {
+                let mut args = with(&["--precision", precision, "--stage"]);
+                args.extend_from_slice(stage);
+                let name = format!("l04-{precision}-{n}-{}", stage.join(""));
+                let (o, out) = mpirun(PKG, n, &args, &name);
                 ok_stdout(&o);
-                assert_eq!(digest(&dp), digest(&out), "{precision}, N = {n}, stage {stage}");
+                assert_eq!(digest(&dp), digest(&out), "{precision}, N = {n}, stage {stage:?}");
                 assert!(
                     dp_weights == std::fs::read(out.join("weights.safetensors")).unwrap(),
-                    "{precision}, N = {n}, stage {stage}: weights files differ"
+                    "{precision}, N = {n}, stage {stage:?}: weights files differ"
                 );
             }
         }

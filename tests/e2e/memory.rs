@@ -19,12 +19,16 @@ fn the_tally_explains_the_measured_peak() {
     let runs: &[(&str, &[&str])] = &[
         ("step01-data-parallel", &[]),
         ("step01-data-parallel", &["--precision", "bf16"]),
+        ("step01-data-parallel", &["--recompute"]),
         ("step02-whole-model-shard", &[]),
         ("step02-whole-model-shard", &["--no-check"]),
+        ("step02-whole-model-shard", &["--recompute"]),
         ("step03-layerwise-shard", &["--no-plot"]),
         ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--blocks-per-unit", "2"]),
         ("step04-optimizer-state-shard", &["--stage", "1"]),
+        ("step04-optimizer-state-shard", &["--stage", "1", "--recompute"]),
         ("step04-optimizer-state-shard", &["--stage", "2"]),
+        ("step04-optimizer-state-shard", &["--stage", "2", "--recompute"]),
         ("step04-optimizer-state-shard", &["--stage", "3"]),
         ("step04-optimizer-state-shard", &["--stage", "3", "--precision", "fp32"]),
     ];
@@ -45,4 +49,25 @@ fn the_tally_explains_the_measured_peak() {
         }
     }
     assert!(failures.is_empty(), "the tally misses the measured peak:\n{}", failures.join("\n"));
+}
+
+/// `--recompute` changes no bit of lessons 01 and 02, and lowers the peak the
+/// allocator measures by what its tally says: the whole graph's activations
+/// against one block's.
+#[test]
+fn recompute_changes_no_bit_and_lowers_the_peak() {
+    for pkg in ["step01-data-parallel", "step02-whole-model-shard"] {
+        for n in [1, 2, 4] {
+            let (o, kept) = mpirun(pkg, n, &["--steps", "2"], &format!("rc-{pkg}-{n}"));
+            ok_stdout(&o);
+            let (o, rc) = mpirun(pkg, n, &["--steps", "2", "--recompute"], &format!("rc-{pkg}-{n}-r"));
+            ok_stdout(&o);
+            assert_eq!(digest(&kept), digest(&rc), "{pkg}, N = {n}");
+            let peak = |out: &std::path::Path| report(out)["measured_peak_bytes"][0].as_f64().unwrap();
+            let tally = |out: &std::path::Path| report(out)["tally_expected_peak_bytes"].as_f64().unwrap();
+            let (saved, predicted) = (peak(&kept) - peak(&rc), tally(&kept) - tally(&rc));
+            assert!(saved > 0.3 * peak(&kept), "{pkg}, N = {n}: recompute saves {saved} of {} bytes", peak(&kept));
+            assert!((saved / predicted - 1.0).abs() < 0.02, "{pkg}, N = {n}: saved {saved} B, the tallies say {predicted}");
+        }
+    }
 }

@@ -3,6 +3,7 @@
 //! category by category, for data parallelism and each stage side by side.
 use fsdp_gpt::Unit;
 use fsdp_harness::table::{Table, mb};
+use fsdp_harness::session::widen_row;
 use fsdp_harness::{MemoryTally, Moment, Session};
 use step03_layerwise_shard::units::FsdpUnit;
 
@@ -167,9 +168,9 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
                 s.forward_backward_tally(&mut m, e);
                 moments.push(m);
             }
-            true => moments.extend(s.blockwise_moments(e, true, &format!("micro-batch {k}"), &mut |unit, m| {
+            true => moments.extend(s.blockwise_moments(e, true, &format!("micro-batch {k}"), &mut |unit, handed, m| {
                 vars_and_sums(m, held);
-                m.add(&format!("gradients collected ({dt})"), s.blocks_done(unit), e, "the blocks done so far");
+                m.add(&format!("gradients collected ({dt})"), s.blocks_done(unit, handed), e, "the blocks done so far");
             })),
         }
         let mut m = Moment::new(format!("adding micro-batch {k}'s gradients to the sums"));
@@ -200,18 +201,26 @@ pub fn stage2_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
     let mut t = resident_kept(s, units);
     let mut moments = vec![];
     for k in 0..mine {
-        moments.extend(s.blockwise_moments(e, recompute, &format!("micro-batch {k}"), &mut |now, m| {
-            // Units whose backward is done in this micro-batch come before `now` in `order`.
+        moments.extend(s.blockwise_moments(e, recompute, &format!("micro-batch {k}"), &mut |now, handed, m| {
+            // Units whose gradients were added in this micro-batch: those
+            // before `now` in `order`, and `now` itself once handed on.
             let done = match now {
                 Unit::FinalNorm => 0,
-                u => order.iter().position(|&x| x == unit_of(u)).expect("in order"),
+                u => order.iter().position(|&x| x == unit_of(u)).expect("in order") + usize::from(handed),
             };
+            if handed {
+                // Adding it: one tensor at a time widened to fp32 under bf16.
+                let unit = &units[unit_of(now)];
+                let largest = unit.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
+                widen_row(m, e, largest);
+            }
             let sums: usize = units
                 .iter()
                 .enumerate()
                 .map(|(x, unit)| {
                     let added = order[..done].contains(&x);
-                    let buffers = match (added, k + 1 == mine) {
+                    let handing = handed && x == unit_of(now); // its last add, before its reduce-scatter
+                    let buffers = match (added, k + 1 == mine && !handing) {
                         (true, true) => 0, // reduce-scattered and freed
                         (true, false) => s.sum_groups.allocated_before(k + 1),
                         (false, _) => s.sum_groups.allocated_before(k),

@@ -119,6 +119,9 @@ pub struct Footprint {
     /// for constants (the causal mask, broadcast to (B, nh, T, T)).
     pub grad_store: usize,
     pub var_grads: usize,
+    /// Of [`Footprint::backward_peak`], the `Var`s' gradients in the
+    /// GradStore at that moment (model states, the rest is working set).
+    pub var_grads_at_peak: usize,
 }
 
 impl Footprint {
@@ -412,7 +415,8 @@ impl Graph {
     /// Replays candle's backward from `root` (a scalar): the activations the
     /// graph holds, the most the backward adds on top, what it leaves behind.
     pub fn backward(&self, root: T) -> Footprint {
-        let mut b = Backward { g: self, grads: HashMap::new(), made: vec![], buffers: vec![], live: 0, peak: 0 };
+        let mut b =
+            Backward { g: self, grads: HashMap::new(), made: vec![], buffers: vec![], live: 0, peak: 0, var_at_peak: 0 };
         let ones = b.new(self.nodes[root.0].bytes(), &[]); // ones_like(loss)
         b.grads.insert(root.0, ones);
         for i in self.sorted(root) {
@@ -431,7 +435,13 @@ impl Graph {
             b.drop_(held);
         }
         let var_grads = b.grads.iter().filter(|(i, _)| self.nodes[**i].var).map(|(i, _)| self.nodes[*i].bytes()).sum();
-        Footprint { activations: self.activations(root), backward_peak: b.peak, grad_store: b.live, var_grads }
+        Footprint {
+            activations: self.activations(root),
+            backward_peak: b.peak,
+            grad_store: b.live,
+            var_grads,
+            var_grads_at_peak: b.var_at_peak,
+        }
     }
 }
 
@@ -496,6 +506,8 @@ struct Backward<'g> {
     buffers: Vec<(usize, usize)>,
     live: usize,
     peak: usize,
+    /// The `Var`s' gradients in the store when `peak` was reached.
+    var_at_peak: usize,
 }
 
 impl Backward<'_> {
@@ -513,7 +525,7 @@ impl Backward<'_> {
     /// A new tensor of `bytes` computed from `inputs` (held once, by the caller).
     fn new(&mut self, bytes: usize, inputs: &[Src]) -> usize {
         self.live += bytes;
-        self.peak = self.peak.max(self.live);
+        self.note_peak();
         self.buffers.push((bytes, 1));
         self.with_storage(self.buffers.len() - 1, inputs)
     }
@@ -542,7 +554,16 @@ impl Backward<'_> {
 
     /// Bytes allocated and freed inside one op (the matmul's panels).
     fn transient(&mut self, bytes: usize) {
-        self.peak = self.peak.max(self.live + bytes);
+        self.live += bytes;
+        self.note_peak();
+        self.live -= bytes;
+    }
+
+    fn note_peak(&mut self) {
+        if self.live > self.peak {
+            self.peak = self.live;
+            self.var_at_peak = self.grads.keys().filter(|&&i| self.g.nodes[i].var).map(|&i| self.size(i)).sum();
+        }
     }
 
     fn drop_(&mut self, t: usize) {

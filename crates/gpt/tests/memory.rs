@@ -48,7 +48,7 @@ fn measure(forward: impl FnOnce() -> Tensor) -> Footprint {
     let backward_peak = PEAK.load(Relaxed) - at;
     let grad_store = live() - at;
     drop(grads);
-    Footprint { activations, backward_peak, grad_store, var_grads: 0 }
+    Footprint { activations, backward_peak, grad_store, var_grads: 0, var_grads_at_peak: 0 }
 }
 
 /// At least the model, and within 1% + 16 KiB of it (the rest: candle's

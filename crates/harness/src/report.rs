@@ -235,8 +235,13 @@ impl<'a, 'w> Report<'a, 'w> {
     fn finish_writing(self, final_params: Option<&[f32]>) -> anyhow::Result<()> {
         let s = self.session;
         let w: &World = s.world;
-        let peak = w.gather_control(&[crate::alloc::peak_bytes() as u64]);
-        let base = w.gather_control(&[self.run.baseline_live as u64]);
+        let r = self.run;
+        // Taken when training finished (before this report gathered the final weights).
+        let training_peak = if r.training_peak > 0 { r.training_peak } else { crate::alloc::peak_bytes() };
+        let peak = w.gather_control(&[training_peak as u64]);
+        let base = w.gather_control(&[r.baseline_live as u64]);
+        let setup = w.gather_control(&[r.setup_peak as u64]);
+        let kept = w.gather_control(&[r.final_live as u64]);
         let rss = w.gather_control(&[crate::alloc::peak_rss_bytes().unwrap_or(0) as u64]);
         let traffic = self.traffic.clone().unwrap_or_else(|| w.traffic());
         if !w.is_root() {
@@ -254,7 +259,9 @@ impl<'a, 'w> Report<'a, 'w> {
         let row = |label: &str, v: &[u64]| {
             std::iter::once(label.to_string()).chain(v.iter().map(|&b| mb_measured(b))).collect::<Vec<_>>()
         };
+        m.row(row("peak live heap while setting up", &setup));
         m.row(row("live heap as training began", &base));
+        m.row(row("live heap when training ended", &kept));
         m.row(row("peak live heap while training", &peak));
         let expected = self.tally.expected_peak_bytes();
         m.row(
@@ -325,6 +332,8 @@ impl<'a, 'w> Report<'a, 'w> {
             "tally_expected_peak_bytes": self.tally.expected_peak_bytes(),
             "measured_baseline_bytes": base,
             "measured_peak_bytes": peak,
+            "measured_setup_peak_bytes": setup,
+            "measured_final_live_bytes": kept,
             "peak_rss_bytes": rss,
             "traffic": Collective::ALL.iter().map(|k| {
                 let st = traffic.get(*k);

@@ -23,6 +23,14 @@ pub struct Run {
     pub step_seconds: Vec<f64>,
     /// Live heap when training started (data, runtime, the lesson's state).
     pub baseline_live: usize,
+    /// The highest live heap before training: while the session and the
+    /// lesson's state were built (from the seed, or read from a checkpoint).
+    pub setup_peak: usize,
+    /// The highest live heap while training, taken at [`Run::finish`]
+    /// (before the report's own work, such as gathering the final weights).
+    pub training_peak: usize,
+    /// The live heap when training ended: what is kept from step to step.
+    pub final_live: usize,
 }
 
 impl Run {
@@ -37,6 +45,7 @@ impl Run {
             );
             b
         });
+        let setup_peak = crate::alloc::peak_bytes();
         crate::alloc::reset_peak();
         crate::alloc::training_begins();
         crate::stop::step_started(s.first_step);
@@ -51,6 +60,9 @@ impl Run {
             losses: vec![],
             step_seconds: vec![],
             baseline_live: crate::alloc::live_bytes(),
+            setup_peak,
+            training_peak: 0,
+            final_live: 0,
         }
     }
 
@@ -84,6 +96,7 @@ impl Run {
         if let Some(b) = self.bar.take() {
             b.finish_and_clear();
         }
+        (self.training_peak, self.final_live) = (crate::alloc::peak_bytes(), crate::alloc::live_bytes());
     }
 
     /// Median seconds per step, leaving out the first (warm-up) step when there are others.

@@ -273,15 +273,17 @@ impl<'w> Session<'w> {
     }
 
     /// The moments of one micro-batch of [`fsdp_gpt::blockwise`]: the head,
-    /// each block's backward, the embedding's backward — what the mechanism
-    /// holds at each, and what the lesson holds (`held`, asked per unit:
-    /// `FinalNorm` for the head). `label` names the micro-batch.
+    /// each block's backward and the hand-off of its gradients, the
+    /// embedding's backward and the root's hand-off — what the mechanism
+    /// holds at each, and what the lesson holds (`held(unit, handed, m)`:
+    /// `FinalNorm` for the head; `handed` once the unit's gradients are
+    /// being handed on). `label` names the micro-batch.
     pub fn blockwise_moments(
         &self,
         elem: usize,
         recompute: bool,
         label: &str,
-        held: &mut dyn FnMut(Unit, &mut Moment),
+        held: &mut dyn FnMut(Unit, bool, &mut Moment),
     ) -> Vec<Moment> {
         let (e, (b, t), c, v) = (elem, self.micro_batch_shape(), self.cfg.n_embd, self.cfg.vocab_size);
         let (btc, layers, dt) = (b * t * c, self.cfg.n_layer, if elem == 2 { "bf16" } else { "fp32" });
@@ -320,7 +322,7 @@ impl<'w> Session<'w> {
         m.add(&format!("the head's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
         ids(&mut m);
         pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph");
-        held(Unit::FinalNorm, &mut m);
+        held(Unit::FinalNorm, false, &mut m);
         moments.push(m);
         for i in (0..layers).rev() {
             let what = if recompute { "recompute+backward" } else { "backward" };
@@ -330,7 +332,16 @@ impl<'w> Session<'w> {
             m.add(&format!("the block's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
             ids(&mut m);
             pass_rows(&mut m, &block, "the block's graph");
-            held(Unit::Block(i), &mut m);
+            held(Unit::Block(i), false, &mut m);
+            moments.push(m);
+            // Its graph gone, its gradients are handed on.
+            let mut m = Moment::new(format!("handing on h.{i}'s gradients, {label}"));
+            waiting(&mut m, i);
+            carried(&mut m);
+            ids(&mut m);
+            let n = self.table.unit_range(Unit::Block(i)).len();
+            m.add(&format!("the block's gradients ({dt})"), n, e, "handed to the lesson");
+            held(Unit::Block(i), true, &mut m);
             moments.push(m);
         }
         let mut m = Moment::new(format!("embedding backward, {label}"));
@@ -339,19 +350,28 @@ impl<'w> Session<'w> {
             .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
         ids(&mut m);
         pass_rows(&mut m, &shapes.embedding_backward((b, t)), "the embedding's graph");
-        held(Unit::Embedding, &mut m);
+        held(Unit::Embedding, false, &mut m);
+        moments.push(m);
+        let mut m = Moment::new(format!("handing on the root's gradients, {label}"));
+        m.add(&format!("the root's gradients ({dt})"), v * c + self.cfg.block_size * c + 2 * c, e, "wte, wpe, ln_f")
+            .add("the embedding's GradStore", shapes.embedding_backward((b, t)).grad_store, 1, "the rows' gradient, until the hand-off")
+            .add(&format!("lm_head part of wte grad ({dt})"), v * c, e, "the tied gradient was formed from it");
+        ids(&mut m);
+        held(Unit::Embedding, true, &mut m);
         moments.push(m);
         moments
     }
 
-    /// Parameters of the blocks whose backward is done when `unit`'s runs
-    /// (block by block, last first): what a collecting backward holds.
-    pub fn blocks_done(&self, unit: Unit) -> usize {
+    /// Parameters of the blocks whose gradients a collecting backward holds
+    /// when `unit`'s runs (block by block, last first), `handed`: its own
+    /// included.
+    pub fn blocks_done(&self, unit: Unit, handed: bool) -> usize {
         let block = |i: usize| self.table.unit_range(Unit::Block(i)).len();
+        let all: usize = (0..self.cfg.n_layer).map(block).sum();
         match unit {
             Unit::FinalNorm => 0,
-            Unit::Block(i) => (i + 1..self.cfg.n_layer).map(block).sum(),
-            Unit::Embedding => (0..self.cfg.n_layer).map(block).sum(),
+            Unit::Block(i) => (i + 1..self.cfg.n_layer).map(block).sum::<usize>() + if handed { block(i) } else { 0 },
+            Unit::Embedding => all + if handed { self.table.numel() - all } else { 0 },
         }
     }
 
@@ -554,11 +574,12 @@ impl<'w> Session<'w> {
 /// and the most its backward holds on top (gradients, sums, temporaries).
 pub fn pass_rows(m: &mut Moment, f: &Footprint, graph: &str) {
     m.add("activations the graph keeps", f.activations, 1, &format!("{graph}: every op's output, until backward ends"))
+        .add("backward: parameter gradients", f.var_grads_at_peak, 1, "in candle's GradStore at the backward's busiest")
         .add(
-            "backward: gradients and temporaries",
-            f.backward_peak,
+            "backward: other gradients, temporaries",
+            f.backward_peak - f.var_grads_at_peak,
             1,
-            "in flight at its busiest, as candle's backward runs",
+            "activations' gradients in flight, the ops' scratch",
         );
 }
 

@@ -214,6 +214,102 @@ impl Chart {
     }
 }
 
+/// One panel of stacked bars: each bar a label and its segments' values,
+/// bottom first, in the order of `segments` (name, colour); the y axis
+/// starts at zero.
+#[derive(Debug, Clone, Default)]
+pub struct Bars {
+    pub title: String,
+    pub y_label: String,
+    pub segments: Vec<(String, &'static str)>,
+    pub bars: Vec<(String, Vec<f64>)>,
+}
+
+/// Stacked-bar panels side by side in one SVG document, one legend under them.
+pub fn bars_svg(panels: &[Bars]) -> String {
+    let width = W * panels.len() as f64;
+    let legend = 22.0 * panels.first().map_or(0, |p| p.segments.len()) as f64;
+    let height = H + legend;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" viewBox=\"0 0 {width} {height}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    for (i, p) in panels.iter().enumerate() {
+        s.push_str(&format!("<g transform=\"translate({},0)\">\n", i as f64 * W));
+        s.push_str(&p.render());
+        s.push_str("</g>\n");
+    }
+    if let Some(p) = panels.first() {
+        for (k, (name, color)) in p.segments.iter().enumerate() {
+            let y = H + 4.0 + 22.0 * k as f64;
+            s.push_str(&format!("<rect x=\"{LEFT}\" y=\"{y:.1}\" width=\"14\" height=\"14\" fill=\"{color}\"/>\n"));
+            s.push_str(&format!("<text x=\"{:.1}\" y=\"{:.1}\">{}</text>\n", LEFT + 20.0, y + 11.0, esc(name)));
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+impl Bars {
+    fn render(&self) -> String {
+        let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
+        let top = self.bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0.0, f64::max).max(1e-9) * 1.08;
+        let sy = |y: f64| TOP + ph - y / top * ph;
+        let mut s = format!(
+            "<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\">{}</text>\n",
+            W / 2.0,
+            esc(&self.title)
+        );
+        s.push_str(&format!("<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n"));
+        let step = nice_step(top / 4.0);
+        for yv in ticks(0.0, top, step) {
+            s.push_str(&format!(
+                "<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/>\n",
+                LEFT + pw,
+                sy(yv),
+                sy(yv)
+            ));
+            s.push_str(&format!(
+                "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n",
+                LEFT - 6.0,
+                sy(yv) + 4.0,
+                label(yv, step, top)
+            ));
+        }
+        s.push_str(&format!(
+            "<text transform=\"translate(16,{}) rotate(-90)\" text-anchor=\"middle\">{}</text>\n",
+            TOP + ph / 2.0,
+            esc(&self.y_label)
+        ));
+        let slot = pw / self.bars.len().max(1) as f64;
+        for (i, (name, values)) in self.bars.iter().enumerate() {
+            let x = LEFT + slot * i as f64 + slot * 0.2;
+            let mut base = 0.0;
+            for (v, (_, color)) in values.iter().zip(&self.segments) {
+                let (y0, y1) = (sy(base), sy(base + v));
+                s.push_str(&format!(
+                    "<rect x=\"{x:.1}\" y=\"{y1:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{color}\"/>\n",
+                    slot * 0.6,
+                    (y0 - y1).max(0.0)
+                ));
+                base += v;
+            }
+            s.push_str(&format!(
+                "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\n",
+                x + slot * 0.3,
+                sy(base) - 5.0,
+                label(base, if base >= 100.0 { 1.0 } else { 0.1 }, base)
+            ));
+            s.push_str(&format!(
+                "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+                x + slot * 0.3,
+                TOP + ph + 16.0,
+                esc(name)
+            ));
+        }
+        s
+    }
+}
+
 /// A round step near `raw`: 1, 2, 2.5 or 5 times a power of ten.
 fn nice_step(raw: f64) -> f64 {
     if !(raw.is_finite() && raw > 0.0) {
@@ -279,6 +375,20 @@ fn esc(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stacked_bars_stack_from_zero() {
+        let p = Bars {
+            title: "memory".into(),
+            y_label: "MB".into(),
+            segments: vec![("kept".into(), "#1f77b4"), ("peak".into(), "#ff7f0e")],
+            bars: vec![("DP".into(), vec![300.0, 100.0]), ("ZeRO-3".into(), vec![75.0, 25.0])],
+        };
+        let s = bars_svg(&[p]);
+        assert_eq!(s.matches("<rect x=").count(), 2 * 2 + 1 + 2, "four segments, the frame, two legend keys");
+        assert!(s.contains(">400</text>") && s.contains(">100</text>"), "each bar's total over it");
+        assert!(s.contains(">ZeRO-3</text>") && s.contains(">0</text>"));
+    }
 
     #[test]
     fn amounts_start_at_zero_and_events_are_named() {
