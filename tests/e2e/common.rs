@@ -129,14 +129,15 @@ pub fn failure(o: &Output) -> (i32, Vec<String>) {
 }
 
 /// A bad-input case: exit code 2, exactly one line on stderr (rank 0's,
-/// starting `error: `), no panic or backtrace, and nothing written to the
-/// run's --out folder. Returns the error line.
+/// starting `error: `, or `error (rank R): ` when rank R found it — e.g. the
+/// rank that checked a damaged file), no panic or backtrace, and nothing
+/// written to the run's --out folder. Returns the error line.
 pub fn fails(package: &str, ranks: usize, args: &[&str], name: &str) -> String {
     let (o, out) = mpirun(package, ranks, args, name);
     let (code, lines) = failure(&o);
     assert_eq!(code, 2, "{name}: exit code; stderr {lines:?}");
     assert_eq!(lines.len(), 1, "{name}: exactly one line on stderr, got {lines:?}");
-    assert!(lines[0].starts_with("error: "), "{name}: {lines:?}");
+    assert!(lines[0].starts_with("error: ") || lines[0].starts_with("error (rank "), "{name}: {lines:?}");
     assert!(!lines[0].contains("panicked") && !lines[0].contains("backtrace"), "{name}: {lines:?}");
     let left: Vec<_> =
         std::fs::read_dir(&out).map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).collect()).unwrap_or_default();

@@ -71,3 +71,39 @@ fn recompute_changes_no_bit_and_lowers_the_peak() {
         }
     }
 }
+
+/// No rank ever holds the whole model where FSDP promises it won't: under
+/// lesson 03 and ZeRO-3 each rank creates only its shard of the initial
+/// weights, and a resume reads only its shard of the checkpoint. At 4 ranks
+/// the heap's peak while setting up — fresh and resumed — stays within what
+/// the rank keeps plus one unit's weights: far below one copy of the model.
+#[test]
+fn setting_up_holds_a_shard_not_the_model() {
+    let model_bytes = 4.0 * 809_856.0; // the tiny preset in fp32
+    for (pkg, extra) in [("step03-layerwise-shard", &["--no-plot"][..]), ("step04-optimizer-state-shard", &["--stage", "3"])] {
+        let ckpt = root().join("target/test-out").join(format!("setup-{pkg}-ckpt"));
+        let _ = std::fs::remove_dir_all(&ckpt);
+        let ck = ckpt.to_str().unwrap();
+        let mut first = vec!["--steps", "2", "--ckpt", ck];
+        first.extend_from_slice(extra);
+        let mut resumed = vec!["--steps", "3", "--resume", ck];
+        resumed.extend_from_slice(extra);
+        for (args, what) in [(first, "fresh"), (resumed, "resumed from 2 ranks")] {
+            let ranks = if what == "fresh" { 2 } else { 4 };
+            let (o, out) = mpirun(pkg, ranks, &args, &format!("setup-{pkg}-{ranks}"));
+            ok_stdout(&o);
+            if ranks != 4 {
+                continue; // the checkpoint to resume from
+            }
+            let r = report(&out);
+            let kept = r["tally_kept_bytes"].as_f64().unwrap();
+            let largest_unit = 4.0 * r["units"].as_array().unwrap().iter().map(|u| u["elements"].as_f64().unwrap()).fold(0.0, f64::max);
+            for p in r["measured_setup_peak_bytes"].as_array().unwrap() {
+                let p = p.as_f64().unwrap();
+                assert!(p <= kept + largest_unit, "{pkg} {what}: set-up peak {p} B, kept {kept} + one unit {largest_unit}");
+                // Beyond what it keeps, less than half of one copy of the weights.
+                assert!(p - kept < 0.5 * model_bytes, "{pkg} {what}: set-up peak {p} B, kept {kept}");
+            }
+        }
+    }
+}

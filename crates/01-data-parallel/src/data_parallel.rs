@@ -47,16 +47,22 @@ pub struct DataParallel {
 }
 
 impl DataParallel {
-    pub fn new(s: &Session, start: Start, reduce: Reduce, precision: Precision, recompute: bool) -> Self {
+    pub fn new(
+        s: &Session,
+        start: Start,
+        reduce: Reduce,
+        precision: Precision,
+        recompute: bool,
+    ) -> anyhow::Result<Self> {
         let numel = s.table.numel();
         let layout = ShardLayout::new(numel, s.world.size());
         // The same seed (or checkpoint), the same bits, on every rank: kept whole.
-        let (params, moments) = start.into_parts();
+        let (params, moments) = start.into_parts()?;
         let mut opt = AdamW::new(s.adamw, numel);
         if let Some(m) = moments {
             (opt.m, opt.v, opt.t) = (m.m, m.v, m.t);
         }
-        Self {
+        Ok(Self {
             params,
             grads: s.grad_sum(layout.padded),
             grad_shard: vec![0.0; layout.shard_len],
@@ -64,7 +70,7 @@ impl DataParallel {
             reduce,
             precision,
             recompute,
-        }
+        })
     }
 
     // ANCHOR: step

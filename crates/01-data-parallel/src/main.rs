@@ -91,7 +91,7 @@ fn main() -> ExitCode {
         }
         s.print_config(&extra);
 
-        let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute);
+        let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute)?;
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let mut checks = 0;
         for step in s.steps() {

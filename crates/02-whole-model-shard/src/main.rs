@@ -52,8 +52,8 @@ fn main() -> ExitCode {
             ("activations", recompute_note(args.recompute)),
         ]);
 
-        let mut fsdp = WholeModelShard::new(&s, &start, check, args.recompute);
-        drop(start); // my shard is cut: the whole start state goes
+        let mut fsdp = WholeModelShard::new(&s, &start, check, args.recompute)?;
+        drop(start); // my shard is read: the start's source goes
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let (mut ref_losses, mut divergence) = (vec![], vec![]);
         for step in s.steps() {

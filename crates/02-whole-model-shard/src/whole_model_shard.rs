@@ -15,7 +15,7 @@ use std::borrow::Cow;
 
 use fsdp_comm::{MicroBatchSum, ShardLayout, World, nan_max};
 use fsdp_gpt::AdamW;
-use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
+use fsdp_harness::checkpoint::ShardPiece;
 use fsdp_harness::{MemoryTally, MemoryTimeline, Moment, Session, Start};
 
 /// One rank's share of the training state.
@@ -53,22 +53,34 @@ pub struct StepResult {
 }
 
 impl WholeModelShard {
-    pub fn new(s: &Session, start: &Start, check: bool, recompute: bool) -> Self {
+    pub fn new(s: &Session, start: &Start, check: bool, recompute: bool) -> anyhow::Result<Self> {
         let (rank, n) = (s.world.rank(), s.world.size());
         let layout = ShardLayout::new(s.table.numel(), n);
-        // Every rank builds the same initial vector (or reads the same
-        // checkpoint) and keeps only its slice: no communication needed to start.
-        let master = cut_shard(&start.weights, layout, rank); // padding: zeros that no parameter uses
+        // My slice of the initial weights (or of the checkpoint's), and
+        // nothing else: computed from the seed, or read where it lies.
+        let mine = [layout.shard(rank).offset..layout.shard(rank).offset + layout.real_len(rank)];
+        let padded = |mut v: Vec<f32>| {
+            v.resize(layout.shard_len, 0.0); // padding: zeros that no parameter uses
+            v
+        };
+        let master = padded(start.weights(&mine)?);
         let mut opt = AdamW::new(s.adamw, layout.shard_len);
-        let mut reference =
-            check.then(|| Reference { params: start.weights.clone(), opt: AdamW::new(s.adamw, layout.numel) });
-        if let Some(r) = &start.moments {
-            (opt.m, opt.v, opt.t) = (cut_shard(&r.m, layout, rank), cut_shard(&r.v, layout, rank), r.t);
-            if let Some(re) = reference.as_mut() {
-                (re.opt.m, re.opt.v, re.opt.t) = (r.m.clone(), r.v.clone(), r.t);
-            }
+        if let Some(r) = start.moments(&mine)? {
+            (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
         }
-        Self {
+        let reference = match check {
+            false => None,
+            true => {
+                // --check: lesson 01's whole state beside, a diagnostic.
+                let all = [0..layout.numel];
+                let mut opt = AdamW::new(s.adamw, layout.numel);
+                if let Some(r) = start.moments(&all)? {
+                    (opt.m, opt.v, opt.t) = (r.m, r.v, r.t);
+                }
+                Some(Reference { params: start.weights(&all)?, opt })
+            }
+        };
+        Ok(Self {
             layout,
             master,
             opt,
@@ -77,7 +89,7 @@ impl WholeModelShard {
             grad_shard: vec![0.0; layout.shard_len],
             reference,
             recompute,
-        }
+        })
     }
 
     // ANCHOR: step

@@ -82,8 +82,8 @@ fn main() -> ExitCode {
         ]);
 
         let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch };
-        let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true)); // recomputing, as this lesson does
-        drop(start); // the shards are cut: the whole start state goes
+        let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true)).transpose()?; // recomputing, as this lesson does
+        drop(start); // my shards are read: the start's source goes
         let mut timeline = MemoryTimeline::off();
         let mut divergence = vec![];
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
@@ -158,7 +158,7 @@ fn main() -> ExitCode {
         // The memory timeline: one step of lesson 02 on the same model and
         // batch, recomputing as lesson 03 does: the difference is the sharding.
         if !args.no_plot {
-            let mut whole = WholeModelShard::new(&s, &s.seed_start(), false, true); // the same activation policy
+            let mut whole = WholeModelShard::new(&s, &s.seed_start(), false, true)?; // the same activation policy
             let mut whole_timeline = MemoryTimeline::off();
             whole_timeline.record(true);
             whole.step(&s, s.first_step, &mut whole_timeline)?;

@@ -16,7 +16,7 @@ use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
 use fsdp_harness::checkpoint::ShardPiece;
-use fsdp_harness::{Moments, Start};
+use fsdp_harness::Start;
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
@@ -80,17 +80,18 @@ pub struct FsdpUnit {
 }
 
 impl FsdpUnit {
-    /// Cuts my shard out of the unit's part of the initial weights `init`
-    /// (the whole model's flat vector, the same on every rank).
+    /// My shard of the unit, read from `start` (the seed's weights or a
+    /// checkpoint's, with AdamW's moments): only the model-order positions
+    /// my shard covers are computed or read — no rank holds the whole model.
     pub fn new(
         table: &ParamTable,
         name: String,
         params: Vec<usize>,
-        init: &[f32],
+        start: &Start,
         world: &World,
         adamw: AdamWConfig,
         policy: UnitPolicy,
-    ) -> candle_core::Result<Self> {
+    ) -> anyhow::Result<Self> {
         let mut ranges = Vec::new();
         let mut len = 0;
         for &i in &params {
@@ -98,9 +99,17 @@ impl FsdpUnit {
             len += table.specs[i].numel();
         }
         let layout = ShardLayout::new(len, world.size());
-        let master = unit_shard(table, &params, init, layout, world.rank());
+        let mine = model_ranges(table, &params, layout, world.rank());
+        let padded = |mut v: Vec<f32>| {
+            v.resize(layout.shard_len, 0.0); // padding: zeros that no parameter uses
+            v
+        };
+        let master = padded(start.weights(&mine)?);
         let blocks = params.len() / PARAMS_PER_BLOCK;
-        let (grad, opt) = (vec![0.0; layout.shard_len], AdamW::new(adamw, layout.shard_len));
+        let (grad, mut opt) = (vec![0.0; layout.shard_len], AdamW::new(adamw, layout.shard_len));
+        if let Some(r) = start.moments(&mine)? {
+            (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
+        }
         let mut unit = Self { name, params, ranges, blocks, layout, master, grad, opt, policy, unsharded: None };
         if !policy.reshard_after_forward {
             unit.unsharded = Some(unit.gather(world)?);
@@ -135,15 +144,6 @@ impl FsdpUnit {
         self.policy.reshard_after_forward
     }
 
-    // ANCHOR: restore
-    /// `--resume`: my shard of the checkpoint's AdamW `m` and `v` (in model
-    /// order, saved at any world size), cut exactly as the weights are.
-    pub fn restore_moments(&mut self, table: &ParamTable, r: &Moments, rank: usize) {
-        self.opt.m = unit_shard(table, &self.params, &r.m, self.layout, rank);
-        self.opt.v = unit_shard(table, &self.params, &r.v, self.layout, rank);
-        self.opt.t = r.t;
-    }
-    // ANCHOR_END: restore
 
     /// My shard of the weights and of AdamW's state, for a checkpoint.
     pub fn checkpoint_piece(&self) -> ShardPiece<'_> {
@@ -257,16 +257,26 @@ impl FsdpUnit {
     }
 }
 
-/// My shard of a unit's part of a model-order vector `full`: the unit's
-/// parameters concatenated in its order, padded, cut at my shard.
-fn unit_shard(table: &ParamTable, params: &[usize], full: &[f32], layout: ShardLayout, rank: usize) -> Vec<f32> {
-    let mut flat = Vec::with_capacity(layout.padded);
+// ANCHOR: model_ranges
+/// The model-order positions of my shard of the unit made of `params` (in
+/// that order): the unit's flat vector is its parameters back to back, my
+/// shard is `layout.shard(rank)` of it, padding excluded.
+pub fn model_ranges(table: &ParamTable, params: &[usize], layout: ShardLayout, rank: usize) -> Vec<Range<usize>> {
+    let shard = layout.shard(rank);
+    let (lo, hi) = (shard.offset, shard.offset + layout.real_len(rank));
+    let mut at = 0; // where the current parameter starts in the unit's flat vector
+    let mut out = vec![];
     for &i in params {
-        flat.extend_from_slice(&full[table.specs[i].range()]);
+        let spec = &table.specs[i];
+        let (a, b) = (lo.max(at), hi.min(at + spec.numel()));
+        if a < b {
+            out.push(spec.offset + a - at..spec.offset + b - at);
+        }
+        at += spec.numel();
     }
-    flat.resize(layout.padded, 0.0);
-    flat[layout.shard(rank).range()].to_vec()
+    out
 }
+// ANCHOR_END: model_ranges
 
 /// Every unit of the model on this rank, root first: my shard of each, cut
 /// from `start` (the seed's weights, or a checkpoint's with AdamW's moments).
@@ -278,15 +288,9 @@ pub fn build_units(
     world: &World,
     adamw: AdamWConfig,
     policy: UnitPolicy,
-) -> candle_core::Result<Vec<FsdpUnit>> {
+) -> anyhow::Result<Vec<FsdpUnit>> {
     unit_params(table, n_layer, blocks_per_unit)
         .into_iter()
-        .map(|(name, params)| {
-            let mut u = FsdpUnit::new(table, name, params, &start.weights, world, adamw, policy)?;
-            if let Some(m) = &start.moments {
-                u.restore_moments(table, m, world.rank());
-            }
-            Ok(u)
-        })
+        .map(|(name, params)| FsdpUnit::new(table, name, params, start, world, adamw, policy))
         .collect()
 }

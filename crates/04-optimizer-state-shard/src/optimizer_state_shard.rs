@@ -50,7 +50,7 @@ impl OptimizerStateShard {
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
         let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype() };
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
-        drop(start); // my shards are cut: the whole start state goes
+        drop(start); // my shards are read: the start's source goes
         Ok(Self { stage, recompute, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3 } })
     }
     // ANCHOR_END: new

@@ -32,7 +32,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, anyhow, bail};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -341,8 +341,59 @@ pub fn resolve(dir: &Path, flag: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// Reads and checks a checkpoint (every file's size and SHA-256, every
-/// tensor's name and length) and reassembles its state in model order.
+/// tensor's name and length) and reassembles its whole state in model order.
 pub fn read(dir: &Path, flag: &str) -> anyhow::Result<(Meta, Resumed)> {
+    let (meta, reader) = open(dir, flag, |_| true)?;
+    let all = [0..reader.table.numel()];
+    let resumed = Resumed {
+        from: reader.dir.clone(),
+        step: meta.step,
+        master: reader.read(Part::Master, &all)?,
+        m: reader.read(Part::M, &all)?,
+        v: reader.read(Part::V, &all)?,
+        t: meta.adamw.t,
+        saved_world: meta.world_size,
+        sum_groups: meta.sum_groups,
+    };
+    Ok((meta, resumed))
+}
+
+/// Which of a checkpoint's three vectors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    Master,
+    M,
+    V,
+}
+
+impl Part {
+    fn name(self) -> &'static str {
+        match self {
+            Part::Master => "master",
+            Part::M => "m",
+            Part::V => "v",
+        }
+    }
+}
+
+/// An opened checkpoint: reads any part of its state, in model order, by
+/// reading only the bytes of the shard files that hold it (a rank resuming
+/// FSDP reads its own shard, never the whole model).
+#[derive(Debug, Clone)]
+pub struct Reader {
+    pub dir: PathBuf,
+    meta: Meta,
+    table: ParamTable,
+    /// Per file: where each tensor's data starts in it (bytes from the file's start).
+    offsets: Vec<HashMap<String, u64>>,
+}
+
+/// Opens a checkpoint: checks `meta.json` (format, model, a layout that
+/// covers every parameter once, the file list) and every file's size and
+/// header; reads whole (and checks the SHA-256 of) only the files for which
+/// `verify(rank)` holds — spread them over the ranks so that each file is
+/// verified once and no rank reads them all.
+pub fn open(dir: &Path, flag: &str, verify: impl Fn(usize) -> bool) -> anyhow::Result<(Meta, Reader)> {
     let dir = resolve(dir, flag)?;
     let at = dir.display().to_string();
     let text =
@@ -391,84 +442,128 @@ pub fn read(dir: &Path, flag: &str) -> anyhow::Result<(Meta, Resumed)> {
             );
         }
     }
-    let (mut master, mut m, mut v) = (vec![0f32; numel], vec![0f32; numel], vec![0f32; numel]);
+    let mut offsets = vec![];
     for f in &meta.files {
         let path = dir.join(&f.path);
-        let data = std::fs::read(&path).map_err(|e| anyhow!("checkpoint {at}: cannot read shard {} ({e})", f.path))?;
-        if data.len() as u64 != f.bytes {
+        let cannot = |e: std::io::Error| anyhow!("checkpoint {at}: cannot read shard {} ({e})", f.path);
+        let len = std::fs::metadata(&path).map_err(cannot)?.len();
+        if len != f.bytes {
             bail!(
-                "checkpoint {at}: shard {} is {} bytes, meta.json says {}: the file is truncated or replaced",
+                "checkpoint {at}: shard {} is {len} bytes, meta.json says {}: the file is truncated or replaced",
                 f.path,
-                data.len(),
                 f.bytes
             );
         }
-        if sha256_hex(&data) != f.sha256 {
+        if verify(f.rank) && sha256_file(&path).map_err(cannot)? != f.sha256 {
             bail!("checkpoint {at}: shard {} fails its SHA-256 check: the file is corrupt", f.path);
         }
-        let st = SafeTensors::deserialize(&data)
-            .map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
-        let (_, header) = SafeTensors::read_metadata(&data)
-            .map_err(|e| anyhow!("checkpoint {at}: shard {} is not safetensors ({e})", f.path))?;
-        let expected = shard_header(f.rank, meta.world_size, meta.step);
-        if header.metadata().as_ref().and_then(|m| m.get(SHARD_KEY)) != Some(&expected) {
-            bail!(
-                "checkpoint {at}: shard {} was not written by rank {} of {} at step {}",
-                f.path,
-                f.rank,
-                meta.world_size,
-                meta.step
-            );
-        }
-        for u in &meta.units {
-            let layout = ShardLayout::new(u.numel, meta.world_size);
-            let shard = layout.shard(f.rank);
-            for (what, full) in [("master", &mut master), ("m", &mut m), ("v", &mut v)] {
-                let name = format!("{}.{what}", u.name);
-                let t = st
-                    .tensor(&name)
-                    .map_err(|_| anyhow!("checkpoint {at}: shard {} has no tensor `{name}`", f.path))?;
-                if t.dtype() != Dtype::F32 || t.shape() != [layout.shard_len] {
-                    bail!(
-                        "checkpoint {at}: tensor `{name}` in {} is {:?} {:?}, expected F32 [{}]",
-                        f.path,
-                        t.dtype(),
-                        t.shape(),
-                        layout.shard_len
-                    );
-                }
-                // Element j of my shard is element offset + j of the unit's
-                // flat vector; place the real ones (not padding) in model order.
-                let values: Vec<f32> =
-                    t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-                place(&table, &u.params, shard.offset, &values, full);
-            }
-        }
+        offsets.push(check_header(&path, &meta, f).map_err(|e| anyhow!("checkpoint {at}: {e}"))?);
     }
-    let resumed = Resumed {
-        from: dir.clone(),
-        step: meta.step,
-        master,
-        m,
-        v,
-        t: meta.adamw.t,
-        saved_world: meta.world_size,
-        sum_groups: meta.sum_groups,
-    };
-    Ok((meta, resumed))
+    let reader = Reader { dir: dir.clone(), meta: meta.clone(), table, offsets };
+    Ok((meta, reader))
 }
 
-/// Writes `values`, which are elements `offset..` of the unit made of
-/// `params` (in that order), to their places in the model's flat vector.
-fn place(table: &ParamTable, params: &[usize], offset: usize, values: &[f32], model: &mut [f32]) {
-    let mut unit_at = 0; // where the current parameter starts in the unit's flat vector
-    for &i in params {
-        let r = table.specs[i].range();
-        let (lo, hi) = (offset.max(unit_at), (offset + values.len()).min(unit_at + r.len()));
-        if lo < hi {
-            model[r.start + lo - unit_at..r.start + hi - unit_at].copy_from_slice(&values[lo - offset..hi - offset]);
+/// SHA-256 of a file, streamed (a megabyte at a time, whatever its size).
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let (mut h, mut buf) = (Sha256::new(), vec![0u8; 1 << 20]);
+    loop {
+        match f.read(&mut buf)? {
+            0 => return Ok(format!("{:x}", h.finalize())),
+            n => h.update(&buf[..n]),
         }
-        unit_at += r.len();
+    }
+}
+
+/// Reads a shard's safetensors header alone: checks who wrote it and that
+/// it holds every unit's three tensors (F32, my shard's length); returns
+/// where each tensor's bytes start in the file.
+fn check_header(path: &Path, meta: &Meta, f: &FileMeta) -> anyhow::Result<HashMap<String, u64>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| anyhow!("cannot read shard {} ({e})", f.path))?;
+    let not_st = |why: &str| anyhow!("shard {} is not safetensors ({why})", f.path);
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n).map_err(|_| not_st("too short"))?;
+    let n = u64::from_le_bytes(n);
+    if n > f.bytes.saturating_sub(8) || n > 100 << 20 {
+        return Err(not_st("its header length is impossible"));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).map_err(|_| not_st("its header is cut short"))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|_| not_st("its header is not JSON"))?;
+    let expected = shard_header(f.rank, meta.world_size, meta.step);
+    if header.get("__metadata__").and_then(|m| m.get(SHARD_KEY)).and_then(|v| v.as_str()) != Some(&expected) {
+        bail!("shard {} was not written by rank {} of {} at step {}", f.path, f.rank, meta.world_size, meta.step);
+    }
+    let mut at = HashMap::new();
+    for u in &meta.units {
+        let len = ShardLayout::new(u.numel, meta.world_size).shard_len as u64;
+        for part in [Part::Master, Part::M, Part::V] {
+            let name = format!("{}.{}", u.name, part.name());
+            let t = header.get(&name).ok_or_else(|| anyhow!("shard {} has no tensor `{name}`", f.path))?;
+            let (dtype, shape) = (t["dtype"].as_str(), t["shape"].as_array());
+            let offs: Vec<u64> = t["data_offsets"].as_array().map_or(vec![], |a| a.iter().filter_map(|x| x.as_u64()).collect());
+            let fits = offs.len() == 2 && offs[1] - offs[0] == 4 * len && 8 + n + offs[1] <= f.bytes;
+            if dtype != Some("F32") || shape.map(|s| s.len()) != Some(1) || shape.and_then(|s| s[0].as_u64()) != Some(len) || !fits {
+                bail!("tensor `{name}` in {} is {:?} {:?}, expected F32 [{len}]", f.path, dtype.unwrap_or("?"), shape);
+            }
+            at.insert(name, 8 + n + offs[0]);
+        }
+    }
+    Ok(at)
+}
+
+impl Reader {
+    /// `part` at the model-order positions `ranges`, concatenated: read from
+    /// the shard files where they lie, and nothing else.
+    pub fn read(&self, part: Part, ranges: &[std::ops::Range<usize>]) -> anyhow::Result<Vec<f32>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut out = vec![0f32; ranges.iter().map(|r| r.len()).sum()];
+        let at = self.dir.display().to_string();
+        for (f, offsets) in self.meta.files.iter().zip(&self.offsets) {
+            let mut file: Option<std::fs::File> = None;
+            for u in &self.meta.units {
+                let shard = ShardLayout::new(u.numel, self.meta.world_size).shard(f.rank);
+                let start = offsets[&format!("{}.{}", u.name, part.name())];
+                // Each parameter of the unit: unit-local [ua, ua + n) is model [offset, offset + n).
+                let mut ua = 0;
+                for &i in &u.params {
+                    let spec = &self.table.specs[i];
+                    let (lo, hi) = (ua.max(shard.offset), (ua + spec.numel()).min(shard.offset + shard.len));
+                    let mut out_at = 0;
+                    for r in ranges {
+                        // The part of this file's piece (model positions) inside `r`.
+                        let (a, b) = ((spec.offset + lo - ua).max(r.start), (spec.offset + hi - ua).min(r.end));
+                        if lo < hi && a < b {
+                            let file = match &mut file {
+                                Some(fl) => fl,
+                                None => file.insert(std::fs::File::open(self.dir.join(&f.path)).with_context(|| {
+                                    format!("checkpoint {at}: cannot read shard {}", f.path)
+                                })?),
+                            };
+                            let in_shard = (a - spec.offset + ua - shard.offset) as u64;
+                            let mut bytes = vec![0u8; 4 * (b - a)];
+                            file.seek(SeekFrom::Start(start + 4 * in_shard))?;
+                            file.read_exact(&mut bytes).with_context(|| format!("checkpoint {at}: shard {} is cut short", f.path))?;
+                            let dst = &mut out[out_at + a - r.start..out_at + b - r.start];
+                            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                            }
+                        }
+                        out_at += r.len();
+                    }
+                    ua += spec.numel();
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The parameter table of the checkpoint's model.
+    pub fn table(&self) -> &ParamTable {
+        &self.table
     }
 }
 
@@ -613,23 +708,22 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Any model-order ranges read back from shards written out of order
+    /// and padded: the reader reads only what lies inside them, and a rank
+    /// that verifies no file still reads correct values.
     #[test]
-    fn placing_shards_of_a_unit_rebuilds_the_model_order() {
+    fn reading_any_ranges_gives_the_model_order_values() {
+        let dir = temp("ranges");
         let table = ParamTable::new(&GptConfig::preset("tiny", 65).unwrap());
-        let full = table.init_flat(3);
-        // A unit of parameters 5, 2 and 9 (out of order on purpose), cut over 3 ranks.
-        let params = vec![5, 2, 9];
-        let flat: Vec<f32> = params.iter().flat_map(|&i| full[table.specs[i].range()].to_vec()).collect();
-        let layout = ShardLayout::new(flat.len(), 3);
-        let mut padded = flat.clone();
-        padded.resize(layout.padded, f32::NAN); // padding must never land in the model
-        let mut model = vec![0f32; table.numel()];
-        for r in (0..3).rev() {
-            place(&table, &params, layout.shard(r).offset, &padded[layout.shard(r).range()], &mut model);
-        }
-        for &i in &params {
-            assert_eq!(&model[table.specs[i].range()], &full[table.specs[i].range()]);
-        }
-        assert!(model.iter().all(|x| !x.is_nan()));
+        let (master, m, v) = (table.init_flat(1), table.init_flat(2), table.init_flat(3));
+        write_checkpoint(&dir, &table, [&master, &m, &v], 3, 4);
+        let (_, reader) = open(&dir, "--resume", |_| false).unwrap();
+        let n = table.numel();
+        let ranges = [0..7, 5000..5003, n - 10..n, 100..100, 42..300_000];
+        let want = |x: &[f32]| ranges.iter().flat_map(|r| x[r.clone()].to_vec()).collect::<Vec<f32>>();
+        assert_eq!(reader.read(Part::Master, &ranges).unwrap(), want(&master));
+        assert_eq!(reader.read(Part::M, &ranges).unwrap(), want(&m));
+        assert_eq!(reader.read(Part::V, &ranges).unwrap(), want(&v));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -187,15 +187,29 @@ impl ParamTable {
     /// Each tensor draws from its own stream `(seed, index)`, so adding a layer
     /// does not change the others' initial values.
     pub fn init_flat(&self, seed: u64) -> Vec<f32> {
-        let mut flat = vec![0f32; self.numel()];
-        for (i, spec) in self.specs.iter().enumerate() {
-            let out = &mut flat[spec.range()];
-            match spec.init {
-                Init::Zeros => {}
-                Init::Ones => out.fill(1.0),
-                Init::Normal(std) => {
-                    let mut rng = SplitMix64::for_stream(seed, i as u64);
-                    out.iter_mut().for_each(|x| *x = (rng.normal() * std) as f32);
+        self.init_ranges(seed, &[0..self.numel()])
+    }
+
+    /// The initial values at the flat positions `ranges`, concatenated:
+    /// exactly those of [`ParamTable::init_flat`], computed without the rest
+    /// (a stream's value j is its outputs 2j and 2j + 1, reached by a jump),
+    /// so that an FSDP rank creates only its shard.
+    pub fn init_ranges(&self, seed: u64, ranges: &[Range<usize>]) -> Vec<f32> {
+        let mut flat = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum());
+        for r in ranges {
+            for (i, spec) in self.specs.iter().enumerate() {
+                let (lo, hi) = (r.start.max(spec.offset), r.end.min(spec.offset + spec.numel()));
+                if lo >= hi {
+                    continue;
+                }
+                match spec.init {
+                    Init::Zeros => flat.resize(flat.len() + hi - lo, 0.0),
+                    Init::Ones => flat.resize(flat.len() + hi - lo, 1.0),
+                    Init::Normal(std) => {
+                        let mut rng = SplitMix64::for_stream(seed, i as u64);
+                        rng.skip(2 * (lo - spec.offset) as u64);
+                        flat.extend((lo..hi).map(|_| (rng.normal() * std) as f32));
+                    }
                 }
             }
         }
@@ -244,6 +258,16 @@ mod tests {
         assert_eq!(t.unit_range(Unit::Block(0)).len(), 198_272);
         assert_eq!(t.specs[t.unit_params(Unit::Block(3)).start].name, "transformer.h.3.ln_1.weight");
         assert_eq!(t.specs.last().unwrap().name, "transformer.ln_f.bias");
+    }
+
+    #[test]
+    fn any_ranges_of_the_init_equal_the_whole_init() {
+        let t = ParamTable::new(&GptConfig::preset("tiny", 65).unwrap());
+        let all = t.init_flat(9);
+        let n = t.numel();
+        let ranges = [3..9, 8_000..8_400, 100..100, n - 5..n, 0..1];
+        let want: Vec<f32> = ranges.iter().flat_map(|r| all[r.clone()].to_vec()).collect();
+        assert_eq!(t.init_ranges(9, &ranges), want);
     }
 
     #[test]

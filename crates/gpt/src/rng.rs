@@ -18,6 +18,11 @@ impl SplitMix64 {
         g
     }
 
+    /// Jumps over the next `n` outputs at once (the state just counts).
+    pub fn skip(&mut self, n: u64) {
+        self.0 = self.0.wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
@@ -36,7 +41,8 @@ impl SplitMix64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
-    /// Standard normal by Box–Muller (one of the pair; simple beats fast here).
+    /// Standard normal by Box–Muller (one of the pair; simple beats fast
+    /// here). Takes exactly two outputs: value j of a stream starts at output 2j.
     pub fn normal(&mut self) -> f64 {
         let u1 = 1.0 - self.next_f64(); // (0, 1]: ln is finite
         let u2 = self.next_f64();

@@ -11,7 +11,7 @@ use fsdp_gpt::blockwise::{self, Grads};
 use fsdp_gpt::memory::{Footprint, ModelShapes};
 use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
 
-use crate::checkpoint::{Meta, Resumed};
+use crate::checkpoint::{Meta, Part, Reader};
 use crate::cli::TrainArgs;
 use crate::edge::{Lesson, agree};
 use crate::report::{MemoryTally, Moment};
@@ -52,19 +52,21 @@ pub struct Session<'w> {
 pub const DEFAULT_MICRO_BATCHES: usize = 4;
 
 /// The state training starts from, handed to the lesson by value: the
-/// seed's initial weights, or a checkpoint's weights and AdamW moments, in
-/// model order and whole on every rank. The lesson cuts its shards out of it
-/// and drops it; a resumed run's `--mem-budget` starts then (reading a
-/// checkpoint whole is a loading detail, not what training holds).
+/// seed's initial weights, or a checkpoint's weights and AdamW moments. Not
+/// held whole anywhere: a lesson asks for the model-order ranges it keeps
+/// ([`Start::read`]) and gets exactly those — computed from the seed, or
+/// read from the checkpoint files where they lie — so an FSDP rank never
+/// holds more than its shard.
 pub struct Start {
-    /// The fp32 weights in model order.
-    pub weights: Vec<f32>,
-    /// `--resume`: AdamW's `m` and `v` in model order, and its step count `t`.
-    pub moments: Option<Moments>,
-    budget_when_dropped: Option<Option<usize>>,
+    source: Source,
 }
 
-/// AdamW's state in model order, from a checkpoint.
+enum Source {
+    Seed { table: ParamTable, seed: u64 },
+    Checkpoint(crate::checkpoint::Reader, u32),
+}
+
+/// AdamW's state at some model-order positions, from a checkpoint.
 pub struct Moments {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
@@ -72,18 +74,32 @@ pub struct Moments {
 }
 
 impl Start {
-    /// The weights and moments themselves, for a lesson that keeps them
-    /// whole (data parallelism): no copy; the budget starts as for a drop.
-    pub fn into_parts(mut self) -> (Vec<f32>, Option<Moments>) {
-        (std::mem::take(&mut self.weights), self.moments.take())
+    /// The fp32 weights at the model-order positions `ranges`, concatenated.
+    pub fn weights(&self, ranges: &[Range<usize>]) -> anyhow::Result<Vec<f32>> {
+        match &self.source {
+            Source::Seed { table, seed } => Ok(table.init_ranges(*seed, ranges)),
+            Source::Checkpoint(r, _) => r.read(Part::Master, ranges),
+        }
     }
-}
 
-impl Drop for Start {
-    fn drop(&mut self) {
-        if let Some(budget) = self.budget_when_dropped {
-            (self.weights, self.moments) = (vec![], None); // freed before the budget starts
-            crate::alloc::set_budget(budget);
+    /// AdamW's `m` and `v` at `ranges` and its step count: `None` from the seed.
+    pub fn moments(&self, ranges: &[Range<usize>]) -> anyhow::Result<Option<Moments>> {
+        match &self.source {
+            Source::Seed { .. } => Ok(None),
+            Source::Checkpoint(r, t) => Ok(Some(Moments { m: r.read(Part::M, ranges)?, v: r.read(Part::V, ranges)?, t: *t })),
+        }
+    }
+
+    /// The whole state, for a lesson that keeps it whole (data parallelism).
+    pub fn into_parts(self) -> anyhow::Result<(Vec<f32>, Option<Moments>)> {
+        let all = [0..self.numel()];
+        Ok((self.weights(&all)?, self.moments(&all)?))
+    }
+
+    fn numel(&self) -> usize {
+        match &self.source {
+            Source::Seed { table, .. } => table.numel(),
+            Source::Checkpoint(r, _) => r.table().numel(),
         }
     }
 }
@@ -120,9 +136,11 @@ impl<'w> Session<'w> {
         mut args: TrainArgs,
         lesson_flags: Vec<(String, String)>,
     ) -> anyhow::Result<(Self, Start)> {
-        let n = world.size();
-        let loaded: Option<(Meta, Resumed)> = match &args.resume {
-            Some(dir) => Some(crate::checkpoint::read(dir, "--resume")?),
+        // Each rank checks the SHA-256 of the files r, r + N, …: every file
+        // once, none read whole by everyone. Ranges are read later, by need.
+        let (rank, n) = (world.rank(), world.size());
+        let loaded: Option<(Meta, Reader)> = match &args.resume {
+            Some(dir) => Some(crate::checkpoint::open(dir, "--resume", |file| file % n == rank)?),
             None => None,
         };
         // M: the flag, else the checkpoint's, else 4.
@@ -177,23 +195,14 @@ impl<'w> Session<'w> {
         let (sum_groups, sum_groups_given) = crate::resume::sum_groups(&args, n, loaded.as_ref().map(|(m, _)| m))?;
         crate::resume::check_paths(world, &args)?;
         let budget = args.mem_budget.map(|b| b as usize);
+        crate::alloc::set_budget(budget); // building the training state counts
         let (start, resumed_from, resume_notes, first_step) = match loaded {
             Some((meta, r)) => {
                 let notes = crate::resume::resume_notes(&meta, sum_groups);
-                let moments = Some(Moments { m: r.m, v: r.v, t: r.t });
-                // The budget starts once the checkpoint's full state is dropped.
-                let start = Start { weights: r.master, moments, budget_when_dropped: Some(budget) };
-                (start, Some((r.from, r.step, r.saved_world)), notes, r.step + 1)
+                let from = (r.dir.clone(), meta.step, meta.world_size);
+                (Start { source: Source::Checkpoint(r, meta.adamw.t) }, Some(from), notes, meta.step + 1)
             }
-            None => {
-                crate::alloc::set_budget(budget); // building the training state counts
-                (
-                    Start { weights: table.init_flat(args.seed), moments: None, budget_when_dropped: None },
-                    None,
-                    vec![],
-                    1,
-                )
-            }
+            None => (Start { source: Source::Seed { table: table.clone(), seed: args.seed } }, None, vec![], 1),
         };
         let s = Self {
             world,
@@ -408,7 +417,7 @@ impl<'w> Session<'w> {
     /// A start state from the seed alone (for a side run beside training,
     /// such as lesson 03's one step of lesson 02 for the memory timeline).
     pub fn seed_start(&self) -> Start {
-        Start { weights: self.table.init_flat(self.args.seed), moments: None, budget_when_dropped: None }
+        Start { source: Source::Seed { table: self.table.clone(), seed: self.args.seed } }
     }
 
     /// Training begins: the step clock and a fresh peak-heap measurement
