@@ -67,7 +67,10 @@ fn recompute_changes_no_bit_and_lowers_the_peak() {
             let tally = |out: &std::path::Path| report(out)["tally_expected_peak_bytes"].as_f64().unwrap();
             let (saved, predicted) = (peak(&kept) - peak(&rc), tally(&kept) - tally(&rc));
             assert!(saved > 0.3 * peak(&kept), "{pkg}, N = {n}: recompute saves {saved} of {} bytes", peak(&kept));
-            assert!((saved / predicted - 1.0).abs() < 0.02, "{pkg}, N = {n}: saved {saved} B, the tallies say {predicted}");
+            assert!(
+                (saved / predicted - 1.0).abs() < 0.02,
+                "{pkg}, N = {n}: saved {saved} B, the tallies say {predicted}"
+            );
         }
     }
 }
@@ -80,7 +83,9 @@ fn recompute_changes_no_bit_and_lowers_the_peak() {
 #[test]
 fn setting_up_holds_a_shard_not_the_model() {
     let model_bytes = 4.0 * 809_856.0; // the tiny preset in fp32
-    for (pkg, extra) in [("step03-layerwise-shard", &["--no-plot"][..]), ("step04-optimizer-state-shard", &["--stage", "3"])] {
+    for (pkg, extra) in
+        [("step03-layerwise-shard", &["--no-plot"][..]), ("step04-optimizer-state-shard", &["--stage", "3"])]
+    {
         let ckpt = root().join("target/test-out").join(format!("setup-{pkg}-ckpt"));
         let _ = std::fs::remove_dir_all(&ckpt);
         let ck = ckpt.to_str().unwrap();
@@ -97,10 +102,14 @@ fn setting_up_holds_a_shard_not_the_model() {
             }
             let r = report(&out);
             let kept = r["tally_kept_bytes"].as_f64().unwrap();
-            let largest_unit = 4.0 * r["units"].as_array().unwrap().iter().map(|u| u["elements"].as_f64().unwrap()).fold(0.0, f64::max);
+            let largest_unit = 4.0
+                * r["units"].as_array().unwrap().iter().map(|u| u["elements"].as_f64().unwrap()).fold(0.0, f64::max);
             for p in r["measured_setup_peak_bytes"].as_array().unwrap() {
                 let p = p.as_f64().unwrap();
-                assert!(p <= kept + largest_unit, "{pkg} {what}: set-up peak {p} B, kept {kept} + one unit {largest_unit}");
+                assert!(
+                    p <= kept + largest_unit,
+                    "{pkg} {what}: set-up peak {p} B, kept {kept} + one unit {largest_unit}"
+                );
                 // Beyond what it keeps, less than half of one copy of the weights.
                 assert!(p - kept < 0.5 * model_bytes, "{pkg} {what}: set-up peak {p} B, kept {kept}");
             }

@@ -15,8 +15,8 @@ use fsdp_comm::{MicroBatchSum, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
-use fsdp_harness::checkpoint::ShardPiece;
 use fsdp_harness::Start;
+use fsdp_harness::checkpoint::ShardPiece;
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
@@ -143,7 +143,6 @@ impl FsdpUnit {
     pub fn gathers(&self) -> bool {
         self.policy.reshard_after_forward
     }
-
 
     /// My shard of the weights and of AdamW's state, for a checkpoint.
     pub fn checkpoint_piece(&self) -> ShardPiece<'_> {

@@ -2,8 +2,8 @@
 //! (the paper's formulas, `just tally 7B 64`), and from this run's shapes,
 //! category by category, for data parallelism and each stage side by side.
 use fsdp_gpt::Unit;
-use fsdp_harness::table::{Table, mb};
 use fsdp_harness::session::widen_row;
+use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 use step03_layerwise_shard::units::FsdpUnit;
 
@@ -168,10 +168,17 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
                 s.forward_backward_tally(&mut m, e);
                 moments.push(m);
             }
-            true => moments.extend(s.blockwise_moments(e, true, &format!("micro-batch {k}"), &mut |unit, handed, m| {
-                vars_and_sums(m, held);
-                m.add(&format!("gradients collected ({dt})"), s.blocks_done(unit, handed), e, "the blocks done so far");
-            })),
+            true => {
+                moments.extend(s.blockwise_moments(e, true, &format!("micro-batch {k}"), &mut |unit, handed, m| {
+                    vars_and_sums(m, held);
+                    m.add(
+                        &format!("gradients collected ({dt})"),
+                        s.blocks_done(unit, handed),
+                        e,
+                        "the blocks done so far",
+                    );
+                }))
+            }
         }
         let mut m = Moment::new(format!("adding micro-batch {k}'s gradients to the sums"));
         vars_and_sums(&mut m, s.sum_groups.allocated_before(k + 1));

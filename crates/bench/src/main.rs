@@ -33,14 +33,20 @@ struct Args {
     presets: Vec<String>,
 }
 
-/// One lesson configuration: label, binary, extra flags.
-const LESSONS: [(&str, &str, &[&str]); 6] = [
+/// One lesson configuration: label, binary, extra flags. Each scheme that
+/// can keep its activations runs both ways, so that lessons compare at the
+/// same activation policy: lesson 03 and ZeRO-3 always recompute.
+const LESSONS: [(&str, &str, &[&str]); 10] = [
     ("01 data parallel", "step01-data-parallel", &[]),
+    ("01 data parallel, recompute", "step01-data-parallel", &["--recompute"]),
     ("02 whole-model shard", "step02-whole-model-shard", &["--no-check", "--no-plot"]),
-    ("03 layer-wise shard", "step03-layerwise-shard", &["--no-plot"]),
+    ("02 whole-model shard, recompute", "step02-whole-model-shard", &["--no-check", "--no-plot", "--recompute"]),
+    ("03 layer-wise shard, recompute", "step03-layerwise-shard", &["--no-plot"]),
     ("04 ZeRO-1", "step04-optimizer-state-shard", &["--stage", "1", "--precision", "fp32"]),
+    ("04 ZeRO-1, recompute", "step04-optimizer-state-shard", &["--stage", "1", "--precision", "fp32", "--recompute"]),
     ("04 ZeRO-2", "step04-optimizer-state-shard", &["--stage", "2", "--precision", "fp32"]),
-    ("04 ZeRO-3", "step04-optimizer-state-shard", &["--stage", "3", "--precision", "fp32"]),
+    ("04 ZeRO-2, recompute", "step04-optimizer-state-shard", &["--stage", "2", "--precision", "fp32", "--recompute"]),
+    ("04 ZeRO-3, recompute", "step04-optimizer-state-shard", &["--stage", "3", "--precision", "fp32"]),
 ];
 
 /// Micro-batch shape per preset: (B, T). The small preset gets a smaller
@@ -97,8 +103,9 @@ fn run(a: &Args) -> anyhow::Result<()> {
             for &(lesson, package, extra) in &LESSONS {
                 let name = format!("{}-{preset}-{n}", package.trim_start_matches("step"));
                 let name = format!(
-                    "{name}{}",
-                    extra.iter().filter(|x| x.len() == 1).map(|s| format!("-s{s}")).collect::<String>()
+                    "{name}{}{}",
+                    extra.iter().filter(|x| x.len() == 1).map(|s| format!("-s{s}")).collect::<String>(),
+                    if extra.contains(&"--recompute") { "-recompute" } else { "" }
                 );
                 let dir = a.out.join("runs").join(&name);
                 let (b, t) = shape(preset);
@@ -133,9 +140,11 @@ fn run(a: &Args) -> anyhow::Result<()> {
                 let r: Value = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)?;
                 let row = row_of(lesson, preset, n, &r, a.warmup)?;
                 println!(
-                    "{lesson:<22} {preset:<5} N={n}  {:>8.1} ms/step  {:>7.0} tok/s   ({:.0} s)",
+                    "{lesson:<32} {preset:<5} N={n}  {:>8.1} ms/step  {:>7.0} tok/s  peak {:>7.1} MB / tally {:.3}  ({:.0} s)",
                     row.ms_per_step,
                     row.tokens_per_s,
+                    row.peak_heap as f64 / 1e6,
+                    row.peak_heap as f64 / row.tally as f64,
                     t0.elapsed().as_secs_f64()
                 );
                 rows.push(row);
@@ -147,6 +156,7 @@ fn run(a: &Args) -> anyhow::Result<()> {
     println!("\n{md}");
     plots(&rows, &a.out)?;
     let j = json!({
+        "cpu": cpu_model(),
         "matmul_peak_flops": peak,
         "runs": rows.iter().map(|r| json!({"lesson": r.lesson, "preset": r.preset, "ranks": r.ranks, "ms_per_step": r.ms_per_step,
             "tokens_per_second": r.tokens_per_s, "comm_ms_per_step": r.comm_ms, "peak_heap_bytes": r.peak_heap, "tally_bytes": r.tally,
@@ -215,7 +225,7 @@ fn row_of(lesson: &'static str, preset: &str, ranks: usize, r: &Value, warmup: u
         comm_ms: comm * 1e3,
         bytes,
         peak_heap: max("measured_peak_bytes"),
-        tally: r["tally_total_bytes"].as_u64().unwrap_or(0),
+        tally: r["tally_expected_peak_bytes"].as_u64().unwrap_or(0),
         rss: max("peak_rss_bytes"),
         flops_per_step: flops_per_token * tokens,
     })
@@ -224,12 +234,14 @@ fn row_of(lesson: &'static str, preset: &str, ranks: usize, r: &Value, warmup: u
 fn table(rows: &[Row], peak: f64) -> String {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut s = format!(
-        "This machine's single-thread f32 matmul rate (the model's own kernel, 1024³, best of 5): **{:.1} GFLOP/s**; one compute thread per rank; {cores} cores. \
-         \"% of matmul peak\": the model FLOPs of a step (6 per parameter per token + attention) per second, per busy core, against that rate.\n\n",
+        "CPU: {}. This machine's single-thread f32 matmul rate (the model's own kernel, 1024³, best of 5): **{:.1} GFLOP/s**; one compute thread per rank; {cores} cores. \
+         \"% of matmul peak\": the model FLOPs of a step (6 per parameter per token + attention) per second, per busy core, against that rate. \
+         \"recompute\": activation checkpointing, block by block (lesson 03 and ZeRO-3 always recompute); compare rows of one policy.\n\n",
+        cpu_model(),
         peak / 1e9
     );
     s.push_str(
-        "| lesson | preset | ranks | ms / step | tokens / s | comm ms / step | compute ms / step | bytes sent / step / rank (theory) | peak heap / rank (tally) | peak RSS / rank | % of matmul peak |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| lesson | preset | ranks | ms / step | tokens / s | comm ms / step | compute ms / step | bytes sent / step / rank (theory) | peak heap / rank (tally) | measured / tally | peak RSS / rank | % of matmul peak |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let bytes: Vec<String> = r
@@ -244,7 +256,7 @@ fn table(rows: &[Row], peak: f64) -> String {
         // Per core busy: N ranks share min(N, cores) cores, one thread each.
         let achieved = r.flops_per_step / (r.ms_per_step / 1e3) / r.ranks.min(cores) as f64;
         s.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {} | {:.1} | {:.1} | {} | {:.1} MB ({:.1} MB) | {:.1} MiB | {:.0}% |\n",
+            "| {} | {} | {} | {:.1} | {} | {:.1} | {:.1} | {} | {:.1} MB ({:.1} MB) | {:.3} | {:.1} MiB | {:.0}% |\n",
             r.lesson,
             r.preset,
             r.ranks,
@@ -255,6 +267,7 @@ fn table(rows: &[Row], peak: f64) -> String {
             if bytes.is_empty() { "—".to_string() } else { bytes.join("; ") },
             r.peak_heap as f64 / 1e6,
             r.tally as f64 / 1e6,
+            r.peak_heap as f64 / r.tally.max(1) as f64,
             r.rss as f64 / (1 << 20) as f64,
             100.0 * achieved / peak
         ));
@@ -262,12 +275,20 @@ fn table(rows: &[Row], peak: f64) -> String {
     s
 }
 
+/// The CPU's model name, as Linux reports it.
+fn cpu_model() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let name = info.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1));
+    name.map_or("unknown".into(), |n| n.trim().to_string())
+}
+
 fn thousands(n: u64) -> String {
     fsdp_harness::table::thousands(n)
 }
 
 fn plots(rows: &[Row], out: &Path) -> anyhow::Result<()> {
-    let colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+    let colors =
+        ["#1f77b4", "#1f77b4", "#ff7f0e", "#ff7f0e", "#2ca02c", "#d62728", "#d62728", "#9467bd", "#9467bd", "#8c564b"];
     let presets: Vec<String> = rows.iter().map(|r| r.preset.clone()).fold(vec![], |mut v, p| {
         if !v.contains(&p) {
             v.push(p);
@@ -289,7 +310,7 @@ fn plots(rows: &[Row], out: &Path) -> anyhow::Result<()> {
                     .filter(|r| r.lesson == *lesson && r.preset == preset)
                     .map(|r| (r.ranks as f64, pick(r)))
                     .collect(),
-                dashed: i >= 3,
+                dashed: lesson.ends_with("recompute"), // the same colour per scheme; dashed: recomputed
             })
             .collect(),
         y_from_zero: true, // amounts: a bar from zero, not from the smallest

@@ -504,9 +504,14 @@ fn check_header(path: &Path, meta: &Meta, f: &FileMeta) -> anyhow::Result<HashMa
             let name = format!("{}.{}", u.name, part.name());
             let t = header.get(&name).ok_or_else(|| anyhow!("shard {} has no tensor `{name}`", f.path))?;
             let (dtype, shape) = (t["dtype"].as_str(), t["shape"].as_array());
-            let offs: Vec<u64> = t["data_offsets"].as_array().map_or(vec![], |a| a.iter().filter_map(|x| x.as_u64()).collect());
+            let offs: Vec<u64> =
+                t["data_offsets"].as_array().map_or(vec![], |a| a.iter().filter_map(|x| x.as_u64()).collect());
             let fits = offs.len() == 2 && offs[1] - offs[0] == 4 * len && 8 + n + offs[1] <= f.bytes;
-            if dtype != Some("F32") || shape.map(|s| s.len()) != Some(1) || shape.and_then(|s| s[0].as_u64()) != Some(len) || !fits {
+            if dtype != Some("F32")
+                || shape.map(|s| s.len()) != Some(1)
+                || shape.and_then(|s| s[0].as_u64()) != Some(len)
+                || !fits
+            {
                 bail!("tensor `{name}` in {} is {:?} {:?}, expected F32 [{len}]", f.path, dtype.unwrap_or("?"), shape);
             }
             at.insert(name, 8 + n + offs[0]);
@@ -539,14 +544,16 @@ impl Reader {
                         if lo < hi && a < b {
                             let file = match &mut file {
                                 Some(fl) => fl,
-                                None => file.insert(std::fs::File::open(self.dir.join(&f.path)).with_context(|| {
-                                    format!("checkpoint {at}: cannot read shard {}", f.path)
-                                })?),
+                                None => file.insert(
+                                    std::fs::File::open(self.dir.join(&f.path))
+                                        .with_context(|| format!("checkpoint {at}: cannot read shard {}", f.path))?,
+                                ),
                             };
                             let in_shard = (a - spec.offset + ua - shard.offset) as u64;
                             let mut bytes = vec![0u8; 4 * (b - a)];
                             file.seek(SeekFrom::Start(start + 4 * in_shard))?;
-                            file.read_exact(&mut bytes).with_context(|| format!("checkpoint {at}: shard {} is cut short", f.path))?;
+                            file.read_exact(&mut bytes)
+                                .with_context(|| format!("checkpoint {at}: shard {} is cut short", f.path))?;
                             let dst = &mut out[out_at + a - r.start..out_at + b - r.start];
                             for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
                                 *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);

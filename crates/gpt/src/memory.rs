@@ -415,8 +415,15 @@ impl Graph {
     /// Replays candle's backward from `root` (a scalar): the activations the
     /// graph holds, the most the backward adds on top, what it leaves behind.
     pub fn backward(&self, root: T) -> Footprint {
-        let mut b =
-            Backward { g: self, grads: HashMap::new(), made: vec![], buffers: vec![], live: 0, peak: 0, var_at_peak: 0 };
+        let mut b = Backward {
+            g: self,
+            grads: HashMap::new(),
+            made: vec![],
+            buffers: vec![],
+            live: 0,
+            peak: 0,
+            var_at_peak: 0,
+        };
         let ones = b.new(self.nodes[root.0].bytes(), &[]); // ones_like(loss)
         b.grads.insert(root.0, ones);
         for i in self.sorted(root) {

@@ -86,7 +86,9 @@ impl Start {
     pub fn moments(&self, ranges: &[Range<usize>]) -> anyhow::Result<Option<Moments>> {
         match &self.source {
             Source::Seed { .. } => Ok(None),
-            Source::Checkpoint(r, t) => Ok(Some(Moments { m: r.read(Part::M, ranges)?, v: r.read(Part::V, ranges)?, t: *t })),
+            Source::Checkpoint(r, t) => {
+                Ok(Some(Moments { m: r.read(Part::M, ranges)?, v: r.read(Part::V, ranges)?, t: *t }))
+            }
         }
     }
 
@@ -363,7 +365,12 @@ impl<'w> Session<'w> {
         moments.push(m);
         let mut m = Moment::new(format!("handing on the root's gradients, {label}"));
         m.add(&format!("the root's gradients ({dt})"), v * c + self.cfg.block_size * c + 2 * c, e, "wte, wpe, ln_f")
-            .add("the embedding's GradStore", shapes.embedding_backward((b, t)).grad_store, 1, "the rows' gradient, until the hand-off")
+            .add(
+                "the embedding's GradStore",
+                shapes.embedding_backward((b, t)).grad_store,
+                1,
+                "the rows' gradient, until the hand-off",
+            )
             .add(&format!("lm_head part of wte grad ({dt})"), v * c, e, "the tied gradient was formed from it");
         ids(&mut m);
         held(Unit::Embedding, true, &mut m);

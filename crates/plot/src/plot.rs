@@ -259,7 +259,9 @@ impl Bars {
             W / 2.0,
             esc(&self.title)
         );
-        s.push_str(&format!("<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n"));
+        s.push_str(&format!(
+            "<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>\n"
+        ));
         let step = nice_step(top / 4.0);
         for yv in ticks(0.0, top, step) {
             s.push_str(&format!(

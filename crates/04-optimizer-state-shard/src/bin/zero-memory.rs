@@ -11,7 +11,8 @@ use fsdp_harness::plot::{Bars, bars_svg};
 use fsdp_harness::table::{Table, mb};
 use serde_json::Value;
 
-const SCHEMES: [(&str, &str); 4] = [("dp", "data parallel"), ("zero1", "ZeRO-1"), ("zero2", "ZeRO-2"), ("zero3", "ZeRO-3")];
+const SCHEMES: [(&str, &str); 4] =
+    [("dp", "data parallel"), ("zero1", "ZeRO-1"), ("zero2", "ZeRO-2"), ("zero3", "ZeRO-3")];
 
 /// Tally rows that are not model states: the activations and the
 /// backward's working set, and buffers around them (by category name).
