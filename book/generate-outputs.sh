@@ -30,6 +30,15 @@ bash book/check-bits.sh > "$gen/check-bits.txt"
 run 02-two-ranks 2 step02-whole-model-shard
 run 02-four-ranks 4 step02-whole-model-shard
 cp out/book/02-two-ranks/shard_vs_replicated.svg "$gen/02-shard-vs-replicated.svg"
+# Activations kept or recomputed: the tally's peak, the measured one, the bits.
+{
+    for flag in "" --recompute; do
+        echo "· just step 02 2 --no-check $flag"
+        mpirun -q --oversubscribe -n 2 target/release/step02-whole-model-shard --no-check --no-plot $flag --out out/book/02-recompute \
+            | grep -E "^│ (peak |kept from|at the peak|activations|backward:|peak live heap while training|measured peak heap)|final weights digest" | sed 's/^/    /'
+    done
+} > "$gen/02-recompute.txt"
+echo "· 02-recompute"
 run 03-two-ranks 2 step03-layerwise-shard
 cp out/book/03-two-ranks/memory_timeline.svg "$gen/03-memory-timeline.svg"
 # A shape where the weights, not the activations, fill memory: the small
@@ -55,6 +64,9 @@ target/release/zero-tally 7B 64 > "$gen/04-tally-7b-64.txt"
 target/release/zero-tally 405B 1024 > "$gen/04-tally-405b-1024.txt"
 echo "· 04-fits"
 just fits 2>/dev/null > "$gen/04-fits.txt"
+echo "· 04-zero-memory"
+just zero-memory 2>/dev/null | grep -v '^wrote' > "$gen/04-zero-memory.txt"
+cp out/zero-memory/zero_memory.svg "$gen/04-zero-memory.svg"
 # What bf16 costs on a CPU: candle widens bf16 matmuls to f32.
 {
     for cmd in "step01-data-parallel --precision fp32" "step01-data-parallel --precision bf16" \

@@ -51,12 +51,13 @@ def mask(line):
         line = re.sub(r"[0-9]+\.[0-9]+ MB", "[MB]", line)
     return line
 svg = sys.argv[1].endswith(".svg")
+zero = "zero-memory" in sys.argv[1]  # a table of measured peaks, every line
 # Lines that carry a measured heap: the measured tables, the timeline's
 # table ("│ lesson 02 (whole model) │ 103.95 MB"), the out-of-memory line.
 def measured(x):
     return "heap" in x or "out of memory" in x or x.startswith("│ lesson 0")
 def close(x, y):
-    if not measured(x) and not svg:
+    if not measured(x) and not svg and not zero:
         return False
     nx, ny = (re.findall(r"[0-9]+\.[0-9]+", s) for s in (x, y))
     return re.sub(r"[0-9]+\.[0-9]+", "#", x) == re.sub(r"[0-9]+\.[0-9]+", "#", y) and len(nx) == len(ny) and all(

@@ -58,26 +58,28 @@ impl WholeModelShard {
         let layout = ShardLayout::new(s.table.numel(), n);
         // My slice of the initial weights (or of the checkpoint's), and
         // nothing else: computed from the seed, or read where it lies.
-        let mine = [layout.shard(rank).offset..layout.shard(rank).offset + layout.real_len(rank)];
+        let mine = layout.shard(rank).offset..layout.shard(rank).offset + layout.real_len(rank);
+        let mine = std::slice::from_ref(&mine);
         let padded = |mut v: Vec<f32>| {
             v.resize(layout.shard_len, 0.0); // padding: zeros that no parameter uses
             v
         };
-        let master = padded(start.weights(&mine)?);
+        let master = padded(start.weights(mine)?);
         let mut opt = AdamW::new(s.adamw, layout.shard_len);
-        if let Some(r) = start.moments(&mine)? {
+        if let Some(r) = start.moments(mine)? {
             (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
         }
         let reference = match check {
             false => None,
             true => {
                 // --check: lesson 01's whole state beside, a diagnostic.
-                let all = [0..layout.numel];
+                let all = 0..layout.numel;
+                let all = std::slice::from_ref(&all);
                 let mut opt = AdamW::new(s.adamw, layout.numel);
-                if let Some(r) = start.moments(&all)? {
+                if let Some(r) = start.moments(all)? {
                     (opt.m, opt.v, opt.t) = (r.m, r.v, r.t);
                 }
-                Some(Reference { params: start.weights(&all)?, opt })
+                Some(Reference { params: start.weights(all)?, opt })
             }
         };
         Ok(Self {

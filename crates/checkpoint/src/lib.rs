@@ -344,7 +344,7 @@ pub fn resolve(dir: &Path, flag: &str) -> anyhow::Result<PathBuf> {
 /// tensor's name and length) and reassembles its whole state in model order.
 pub fn read(dir: &Path, flag: &str) -> anyhow::Result<(Meta, Resumed)> {
     let (meta, reader) = open(dir, flag, |_| true)?;
-    let all = [0..reader.table.numel()];
+    let all = std::slice::from_ref(&(0..reader.table.numel())).to_vec();
     let resumed = Resumed {
         from: reader.dir.clone(),
         step: meta.step,

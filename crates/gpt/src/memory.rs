@@ -424,7 +424,7 @@ impl Graph {
             peak: 0,
             var_at_peak: 0,
         };
-        let ones = b.new(self.nodes[root.0].bytes(), &[]); // ones_like(loss)
+        let ones = b.make(self.nodes[root.0].bytes(), &[]); // ones_like(loss)
         b.grads.insert(root.0, ones);
         for i in self.sorted(root) {
             let node = &self.nodes[i];
@@ -530,7 +530,7 @@ impl Backward<'_> {
     }
 
     /// A new tensor of `bytes` computed from `inputs` (held once, by the caller).
-    fn new(&mut self, bytes: usize, inputs: &[Src]) -> usize {
+    fn make(&mut self, bytes: usize, inputs: &[Src]) -> usize {
         self.live += bytes;
         self.note_peak();
         self.buffers.push((bytes, 1));
@@ -592,7 +592,7 @@ impl Backward<'_> {
     /// `grads.or_insert(arg)`: zeros of `arg`'s shape the first time.
     fn or_insert(&mut self, i: usize) {
         if !self.grads.contains_key(&i) {
-            let z = self.new(self.size(i), &[]);
+            let z = self.make(self.size(i), &[]);
             self.grads.insert(i, z);
         }
     }
@@ -601,7 +601,7 @@ impl Backward<'_> {
     /// one's op, if `t` tracks.
     fn add_into(&mut self, i: usize, t: Src) {
         let old = self.grads[&i];
-        let new = self.new(self.size(i), &[Src::New(old), t]);
+        let new = self.make(self.size(i), &[Src::New(old), t]);
         self.grads.insert(i, new);
         self.drop_(old);
     }
@@ -616,7 +616,7 @@ impl Backward<'_> {
     fn matmul(&mut self, (m, k, n): (usize, usize, usize), batch: usize, elem: usize, inputs: &[Src]) -> usize {
         let out = batch * m * n;
         self.transient(matmul_transient(m, k, n, out, elem));
-        self.new(out * elem, inputs)
+        self.make(out * elem, inputs)
     }
 
     /// The gradient rule of `op` at node `i` (candle 0.11's `backward`),
@@ -631,19 +631,19 @@ impl Backward<'_> {
                 self.acc(r, gs);
             }
             Op::Binary(l, r, Bin::Mul) => {
-                let t1 = self.new(s, &[gs, Src::Fwd(r)]);
+                let t1 = self.make(s, &[gs, Src::Fwd(r)]);
                 self.acc(l, Src::New(t1));
-                let t2 = self.new(s, &[gs, Src::Fwd(l)]);
+                let t2 = self.make(s, &[gs, Src::Fwd(l)]);
                 self.acc(r, Src::New(t2));
                 self.drop_(t1);
                 self.drop_(t2);
             }
             Op::Binary(l, r, Bin::Div) => {
-                let t1 = self.new(s, &[gs, Src::Fwd(r)]); // grad / rhs
+                let t1 = self.make(s, &[gs, Src::Fwd(r)]); // grad / rhs
                 self.acc(l, Src::New(t1));
-                let a = self.new(s, &[gs, Src::Fwd(l)]); // grad * lhs
-                let b = self.new(s, &[Src::Fwd(r)]); // rhs.sqr()
-                let t2 = self.new(s, &[Src::New(a), Src::New(b)]);
+                let a = self.make(s, &[gs, Src::Fwd(l)]); // grad * lhs
+                let b = self.make(s, &[Src::Fwd(r)]); // rhs.sqr()
+                let t2 = self.make(s, &[Src::New(a), Src::New(b)]);
                 self.drop_(a);
                 self.drop_(b);
                 self.acc(r, Src::New(t2)); // sub
@@ -651,15 +651,15 @@ impl Backward<'_> {
                 self.drop_(t2);
             }
             Op::Unary(a, Un::Sqr | Un::Sqrt) => {
-                let m = self.new(s, &[Src::Fwd(a), node, gs]); // arg * grad, grad / node
-                let t = self.new(s, &[Src::New(m)]); // · 2, · 0.5
+                let m = self.make(s, &[Src::Fwd(a), node, gs]); // arg * grad, grad / node
+                let t = self.make(s, &[Src::New(m)]); // · 2, · 0.5
                 self.drop_(m);
                 self.acc(a, Src::New(t));
                 self.drop_(t);
             }
             Op::Unary(a, Un::Exp | Un::Log) => {
                 self.or_insert(a);
-                let t = self.new(s, &[gs, node]); // grad * node, grad / arg
+                let t = self.make(s, &[gs, node]); // grad * node, grad / arg
                 self.add_into(a, Src::New(t));
                 self.drop_(t);
             }
@@ -668,9 +668,9 @@ impl Backward<'_> {
                 let arg = Src::Fwd(a);
                 let chain = |b: &mut Self, first: &[Src], more: usize| -> usize {
                     // ops applied one after the other; only the last is named
-                    let mut t = b.new(s, first);
+                    let mut t = b.make(s, first);
                     for _ in 0..more {
-                        let next = b.new(s, &[Src::New(t)]);
+                        let next = b.make(s, &[Src::New(t)]);
                         b.drop_(t);
                         t = next;
                     }
@@ -678,21 +678,21 @@ impl Backward<'_> {
                 };
                 let nhs = chain(self, &[arg], 2); // (arg.sqr().neg() / 2)
                 let e = chain(self, &[Src::New(nhs)], 1); // 0.398942 * nhs.exp()
-                let sea = self.new(s, &[Src::New(e), arg]); // … * arg
+                let sea = self.make(s, &[Src::New(e), arg]); // … * arg
                 self.drop_(e);
-                let ass = self.new(s, &[arg]); // arg / √2
+                let ass = self.make(s, &[arg]); // arg / √2
                 let ess = chain(self, &[Src::New(ass)], 1); // 0.5 * ass.erf()
-                let p = self.new(s, &[Src::New(sea)]); // 0.5 + sea
-                let geg = self.new(s, &[Src::New(p), Src::New(ess)]); // … + ess
+                let p = self.make(s, &[Src::New(sea)]); // 0.5 + sea
+                let geg = self.make(s, &[Src::New(p), Src::New(ess)]); // … + ess
                 self.drop_(p);
-                let t = self.new(s, &[gs, Src::New(geg)]); // grad * gelu_erf_grad
+                let t = self.make(s, &[gs, Src::New(geg)]); // grad * gelu_erf_grad
                 self.add_into(a, Src::New(t));
                 for x in [t, nhs, sea, ass, ess, geg] {
                     self.drop_(x);
                 }
             }
             Op::Affine(a) => {
-                let t = self.new(s, &[gs]);
+                let t = self.make(s, &[gs]);
                 self.acc(a, Src::New(t));
                 self.drop_(t);
             }
@@ -700,24 +700,24 @@ impl Backward<'_> {
             Op::Max(a) => {
                 let n = self.g.nodes[a].numel();
                 let sa = self.size(a);
-                let eq = self.new(n, &[node, Src::Fwd(a)]); // node.eq(arg): one byte per element
-                let f = self.new(sa, &[Src::New(eq)]); // to_dtype
-                let t = self.new(sa, &[Src::New(f), gs]); // · grad
+                let eq = self.make(n, &[node, Src::Fwd(a)]); // node.eq(arg): one byte per element
+                let f = self.make(sa, &[Src::New(eq)]); // to_dtype
+                let t = self.make(sa, &[Src::New(f), gs]); // · grad
                 self.drop_(eq);
                 self.drop_(f);
                 self.acc(a, Src::New(t));
                 self.drop_(t);
             }
             Op::Broadcast(a) => {
-                let t = self.new(self.size(a), &[gs]); // grad summed over the broadcast dims
+                let t = self.make(self.size(a), &[gs]); // grad summed over the broadcast dims
                 self.acc(a, Src::New(t));
                 self.drop_(t);
             }
             Op::Narrow(a, dim, _start, len) => {
                 let arg = &self.g.nodes[a];
                 let (bytes, per) = (arg.bytes(), arg.bytes() / arg.shape[dim]);
-                let pads = self.new(per * (arg.shape[dim] - len), &[]); // zeros around `start..start + len`
-                let cat = self.new(bytes, &[]);
+                let pads = self.make(per * (arg.shape[dim] - len), &[]); // zeros around `start..start + len`
+                let cat = self.make(bytes, &[]);
                 self.drop_(pads); // dropped with the match arm that made the cat
                 self.acc(a, Src::New(cat));
                 self.drop_(cat);
@@ -738,7 +738,7 @@ impl Backward<'_> {
             }
             Op::ToDType(a) => {
                 self.or_insert(a);
-                let t = self.new(self.size(a), &[gs]); // grad.to_dtype(arg's)
+                let t = self.make(self.size(a), &[gs]); // grad.to_dtype(arg's)
                 self.add_into(a, Src::New(t));
                 self.drop_(t);
             }

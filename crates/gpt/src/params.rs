@@ -187,7 +187,7 @@ impl ParamTable {
     /// Each tensor draws from its own stream `(seed, index)`, so adding a layer
     /// does not change the others' initial values.
     pub fn init_flat(&self, seed: u64) -> Vec<f32> {
-        self.init_ranges(seed, &[0..self.numel()])
+        self.init_ranges(seed, std::slice::from_ref(&(0..self.numel())))
     }
 
     /// The initial values at the flat positions `ranges`, concatenated:

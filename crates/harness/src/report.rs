@@ -254,22 +254,29 @@ impl<'a, 'w> Report<'a, 'w> {
         // Measured numbers vary a little from run to run: they get their own
         // table, so the tally from shapes above stays exactly reproducible.
         let mut m = Table::new(
-            std::iter::once("measured, per rank".to_string()).chain((0..w.size()).map(|r| format!("rank {r}"))),
+            std::iter::once("measured, per rank".to_string())
+                .chain((0..w.size()).map(|r| format!("rank {r}")))
+                .chain(["tally (from shapes)".to_string()]),
         );
-        let row = |label: &str, v: &[u64]| {
-            std::iter::once(label.to_string()).chain(v.iter().map(|&b| mb_measured(b))).collect::<Vec<_>>()
+        let row = |label: &str, v: &[u64], tally: Option<u64>| {
+            std::iter::once(label.to_string())
+                .chain(v.iter().map(|&b| mb_measured(b)))
+                .chain([tally.map_or("—".to_string(), mb_measured)])
+                .collect::<Vec<_>>()
         };
-        m.row(row("peak live heap while setting up", &setup));
-        m.row(row("live heap as training began", &base));
-        m.row(row("live heap when training ended", &kept));
-        m.row(row("peak live heap while training", &peak));
-        let expected = self.tally.expected_peak_bytes();
+        let (kept_tally, expected) =
+            (self.tally.kept_bytes() + self.tally.apart_bytes(), self.tally.expected_peak_bytes());
+        m.row(row("peak live heap while setting up", &setup, None));
+        m.row(row("live heap as training began", &base, None));
+        m.row(row("live heap when training ended", &kept, Some(kept_tally)));
+        m.row(row("peak live heap while training", &peak, Some(expected)));
         m.row(
-            std::iter::once("measured peak / tally's peak".to_string())
+            std::iter::once("measured peak heap / tally's peak".to_string())
                 .chain(peak.iter().map(|&p| format!("{:.3}", p as f64 / expected as f64)))
+                .chain(["—".to_string()])
                 .collect::<Vec<_>>(),
         );
-        m.row(row("peak RSS (incl. MPI, code)", &rss));
+        m.row(row("peak RSS (incl. MPI, code)", &rss, None));
         println!("{}", m.render());
 
         let steps = self.run.losses.len().max(1) as u64; // trained in this run (fewer after --resume)

@@ -63,7 +63,7 @@ pub struct Start {
 
 enum Source {
     Seed { table: ParamTable, seed: u64 },
-    Checkpoint(crate::checkpoint::Reader, u32),
+    Checkpoint(Box<Reader>, u32),
 }
 
 /// AdamW's state at some model-order positions, from a checkpoint.
@@ -94,8 +94,9 @@ impl Start {
 
     /// The whole state, for a lesson that keeps it whole (data parallelism).
     pub fn into_parts(self) -> anyhow::Result<(Vec<f32>, Option<Moments>)> {
-        let all = [0..self.numel()];
-        Ok((self.weights(&all)?, self.moments(&all)?))
+        let all = 0..self.numel();
+        let all = std::slice::from_ref(&all);
+        Ok((self.weights(all)?, self.moments(all)?))
     }
 
     fn numel(&self) -> usize {
@@ -202,7 +203,7 @@ impl<'w> Session<'w> {
             Some((meta, r)) => {
                 let notes = crate::resume::resume_notes(&meta, sum_groups);
                 let from = (r.dir.clone(), meta.step, meta.world_size);
-                (Start { source: Source::Checkpoint(r, meta.adamw.t) }, Some(from), notes, meta.step + 1)
+                (Start { source: Source::Checkpoint(Box::new(r), meta.adamw.t) }, Some(from), notes, meta.step + 1)
             }
             None => (Start { source: Source::Seed { table: table.clone(), seed: args.seed } }, None, vec![], 1),
         };
