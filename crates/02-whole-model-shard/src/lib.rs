@@ -8,7 +8,7 @@
 //! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
 //! use step02_whole_model_shard::WholeModelShard;
 //! let mut fsdp = WholeModelShard::new(s, &start, false, false)?;
-//! drop(start); // my shard is cut
+//! drop(start); // my shard is read
 //! let r = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! println!("loss {}", r.loss);
 //! # Ok(()) }

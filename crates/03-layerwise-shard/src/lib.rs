@@ -10,7 +10,7 @@
 //! use step03_layerwise_shard::{LayerwiseShard, units::{UnitPolicy, build_units}};
 //! // One block per unit, resharded after every use, gathered in fp32 (FSDP2's defaults).
 //! let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, UnitPolicy::default())?;
-//! drop(start); // my shards are cut
+//! drop(start); // my shards are read
 //! let mut fsdp = LayerwiseShard { units, prefetch: false };
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }

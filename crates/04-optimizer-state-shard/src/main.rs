@@ -6,7 +6,8 @@
 //! just step 04 4 --stage 1             # optimizer state sharded only
 //! just step 04 4 --stage 2 --precision fp32
 //! just tally 7B 64                     # the same accounting at any scale
-//! just fits                            # data parallel runs out of memory; ZeRO-3 trains
+//! just zero-memory                     # GPT-2 small's size: every scheme, measured beside its tally
+//! just fits                            # data parallel and ZeRO-1 run out of memory; ZeRO-3 trains
 //! ```
 #[cfg(test)]
 mod exercise_checks;
