@@ -177,9 +177,9 @@ impl DataParallel {
                 vec![m]
             }
             // Block by block: the gradients collected so far wait for the rest.
-            true => s.blockwise_moments(e, true, "a micro-batch", &mut |unit, handed, m| {
+            true => s.blockwise_moments(e, true, "a micro-batch", &mut |unit, _handed, m| {
                 m.add(&vars_row, numel, e, vars_note);
-                let done = s.blocks_done(unit, handed);
+                let done = s.grads_collected(unit);
                 m.add(&format!("gradients collected ({})", self.precision), done, e, "the blocks done so far");
             }),
         };

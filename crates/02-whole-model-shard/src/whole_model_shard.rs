@@ -190,9 +190,9 @@ impl WholeModelShard {
                 s.forward_backward_tally(&mut m, 4);
                 vec![m]
             }
-            true => s.blockwise_moments(4, true, "a micro-batch", &mut |unit, handed, m| {
+            true => s.blockwise_moments(4, true, "a micro-batch", &mut |unit, _handed, m| {
                 m.add("params as candle Vars", numel, 4, vars_note);
-                m.add("gradients collected", s.blocks_done(unit, handed), 4, "the blocks done so far");
+                m.add("gradients collected", s.grads_collected(unit), 4, "the blocks done so far");
             }),
         };
         let mut add = Moment::new("adding a micro-batch's gradients to the sum");

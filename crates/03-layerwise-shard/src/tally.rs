@@ -13,7 +13,7 @@ use crate::units::FsdpUnit;
 /// (kept), and the busiest moment of the step's schedule — the head, a
 /// unit's recompute+backward or the embedding's backward, micro-batch by
 /// micro-batch — with what it carries from the entries before it.
-/// Lesson 04's stages 2 and 3 run the same schedule and use it too.
+/// Lesson 04's stage 3 runs the same schedule and uses it too.
 pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
     let n = s.world.size();
     let e = units[0].param_bytes(); // the compute dtype's bytes
@@ -27,10 +27,6 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
         .add("AdamW m shards", shard, 4, &share)
         .add("AdamW v shards", shard, 4, &share)
         .add("grad shards (fp32)", shard, 4, "reduce-scattered, 1/N of every unit");
-    if !units[0].gathers() {
-        let all: usize = units.iter().map(|u| u.layout().padded).sum();
-        k.add(&format!("compute copy, unsharded ({dt})"), all, e, "every unit, kept from step to step");
-    }
     if n > 1 {
         let most = units.iter().map(|u| u.layout().padded).max().unwrap_or(0) * s.sum_groups.per_rank();
         k.add("all-to-all receive buffer", most, 4, "the reduce-scatter's input from every rank, largest unit, kept");

@@ -113,10 +113,11 @@ fn whole_model_step(
 
 // ANCHOR: stage2
 /// ZeRO-2: one micro-batch at a time through the resident compute copy,
-/// block by block ([`blockwise`]). A unit's gradient is complete once my
-/// last micro-batch's backward has passed it: it is reduce-scattered at that
-/// moment and its sum freed, while the blocks before it still compute — the
-/// whole gradient never exists at once in that last backward.
+/// block by block ([`blockwise`]). A unit's gradient sum is complete once my
+/// last micro-batch's backward has passed all of it: it is reduce-scattered
+/// at that moment and freed, while the blocks below still compute. (With one
+/// micro-batch per rank the whole gradient never exists at once; with more,
+/// each unit's sum lives from the first micro-batch to that hand-off.)
 fn blockwise_step(
     units: &mut [FsdpUnit],
     s: &Session,
@@ -134,8 +135,10 @@ fn blockwise_step(
     for k in s.my_micro_batches() {
         let batch = s.sampler.micro_batch(step, k)?;
         let loss = blockwise::forward_backward(&s.model, &s.table, &vars, &batch, recompute, |_, grads| {
+            // Each block (and the root) is a unit of its own here: a hand-off is a whole unit.
             let u = units.iter().position(|u| u.params().contains(&grads[0].0)).expect("every gradient has a unit");
             let unit = &mut units[u];
+            assert!(unit.blocks() <= 1, "ZeRO-2's hand-off needs one block per unit");
             let sum = sums[u].as_mut().expect("a unit's sum lives until my last micro-batch");
             sum.add(|buf| unit.add_grads(&grads, buf))?;
             if k == last {

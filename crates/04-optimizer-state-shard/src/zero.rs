@@ -53,7 +53,7 @@ pub struct Shapes {
 /// from shapes: model states and the buffers around them, for comparing the
 /// schemes side by side. Activations, the same in every scheme at equal
 /// activation policy, are not here; a run's own tally ([`stage1_tally`],
-/// lesson 03's for stages 2 and 3) has them, beside the measured peak.
+/// [`stage2_tally`], lesson 03's for stage 3) has them, beside the measured peak.
 pub fn model_states(stage: u8, sh: Shapes) -> MemoryTally {
     let (c, n) = (sh.compute_bytes, sh.ranks);
     let cdt = if c == 2 { "bf16" } else { "fp32" };
@@ -169,14 +169,9 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
                 moments.push(m);
             }
             true => {
-                moments.extend(s.blockwise_moments(e, true, &format!("micro-batch {k}"), &mut |unit, handed, m| {
+                moments.extend(s.blockwise_moments(e, true, &format!("micro-batch {k}"), &mut |unit, _handed, m| {
                     vars_and_sums(m, held);
-                    m.add(
-                        &format!("gradients collected ({dt})"),
-                        s.blocks_done(unit, handed),
-                        e,
-                        "the blocks done so far",
-                    );
+                    m.add(&format!("gradients collected ({dt})"), s.grads_collected(unit), e, "the blocks done so far");
                 }))
             }
         }
@@ -220,6 +215,10 @@ pub fn stage2_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
                 let unit = &units[unit_of(now)];
                 let largest = unit.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
                 widen_row(m, e, largest);
+                let groups = s.sum_groups.per_rank();
+                if k + 1 == mine && groups > 1 && s.world.size() > 1 {
+                    m.add("send buffer", groups * unit.layout().padded, 4, "its group sums packed per destination");
+                }
             }
             let sums: usize = units
                 .iter()

@@ -144,7 +144,7 @@ fn run(a: &Args) -> anyhow::Result<()> {
                     row.ms_per_step,
                     row.tokens_per_s,
                     row.peak_heap as f64 / 1e6,
-                    row.peak_heap as f64 / row.tally as f64,
+                    row.peak_heap as f64 / row.tally.max(1) as f64,
                     t0.elapsed().as_secs_f64()
                 );
                 rows.push(row);

@@ -16,11 +16,13 @@
 //! and renamed). A kill at any moment leaves `latest` naming a complete
 //! checkpoint. `--keep N` removes all but the newest N afterwards.
 //!
-//! **Any world size.** Loading reads every shard file, checks its checksum,
-//! reassembles each unit (the shards in rank order, padding dropped) and puts
-//! its parameters back in the model's flat order: a [`Resumed`] state that
-//! knows nothing of the world it was saved from. Each lesson cuts its own
-//! shards out of it, exactly as it cuts them out of the initial weights.
+//! **Any world size, read by need.** [`open`] checks `meta.json` and every
+//! shard's size and header, and the SHA-256 of the files it is told to
+//! (a run spreads them over its ranks); a [`Reader`] then returns any
+//! model-order positions of the master weights, `m` or `v`, reading only
+//! the bytes of the shard files that hold them. Each lesson asks for its own
+//! shards, exactly as it cuts them from the initial weights, so no rank
+//! holds the whole state; [`read`] reassembles all of it (for export).
 //!
 //! ```no_run
 //! use std::path::Path;
@@ -506,7 +508,7 @@ fn check_header(path: &Path, meta: &Meta, f: &FileMeta) -> anyhow::Result<HashMa
             let (dtype, shape) = (t["dtype"].as_str(), t["shape"].as_array());
             let offs: Vec<u64> =
                 t["data_offsets"].as_array().map_or(vec![], |a| a.iter().filter_map(|x| x.as_u64()).collect());
-            let fits = offs.len() == 2 && offs[1] - offs[0] == 4 * len && 8 + n + offs[1] <= f.bytes;
+            let fits = offs.len() == 2 && offs[1].checked_sub(offs[0]) == Some(4 * len) && 8 + n + offs[1] <= f.bytes;
             if dtype != Some("F32")
                 || shape.map(|s| s.len()) != Some(1)
                 || shape.and_then(|s| s[0].as_u64()) != Some(len)
@@ -537,11 +539,15 @@ impl Reader {
                 for &i in &u.params {
                     let spec = &self.table.specs[i];
                     let (lo, hi) = (ua.max(shard.offset), (ua + spec.numel()).min(shard.offset + shard.len));
+                    if lo >= hi {
+                        ua += spec.numel(); // this file holds none of the parameter
+                        continue;
+                    }
                     let mut out_at = 0;
                     for r in ranges {
                         // The part of this file's piece (model positions) inside `r`.
                         let (a, b) = ((spec.offset + lo - ua).max(r.start), (spec.offset + hi - ua).min(r.end));
-                        if lo < hi && a < b {
+                        if a < b {
                             let file = match &mut file {
                                 Some(fl) => fl,
                                 None => file.insert(

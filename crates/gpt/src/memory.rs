@@ -100,9 +100,6 @@ pub struct Graph {
     nodes: Vec<Node>,
     /// Bytes of each buffer.
     storages: Vec<usize>,
-    /// The highest transient bytes a forward op needed beyond its output
-    /// (the matmul's packed panels), with what was live at that moment.
-    forward_peak: usize,
 }
 
 /// What one forward/backward pass holds, in bytes.
@@ -122,13 +119,6 @@ pub struct Footprint {
     /// Of [`Footprint::backward_peak`], the `Var`s' gradients in the
     /// GradStore at that moment (model states, the rest is working set).
     pub var_grads_at_peak: usize,
-}
-
-impl Footprint {
-    /// The peak of the pass above what was live before it.
-    pub fn peak(&self) -> usize {
-        self.activations + self.backward_peak
-    }
 }
 
 impl Graph {
@@ -322,17 +312,13 @@ impl Graph {
         self.alloc(vec![rows, 1], self.n(a).elem, Op::Gather(a.0))
     }
 
-    /// [`crate::kernels::matmul`]: its output, and its packed panels for the
-    /// time it runs.
+    /// [`crate::kernels::matmul`]: its output (its packed panels, freed
+    /// before it returns, matter only in the backward, where they can be the peak).
     pub fn matmul(&mut self, a: T, b: T) -> T {
         let (sa, sb) = (&self.n(a).shape, &self.n(b).shape);
         let mut s = sa[..sa.len() - 1].to_vec();
         s.push(sb[sb.len() - 1]);
         let elem = self.n(a).elem;
-        let (m, k, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
-        let out = s.iter().product::<usize>();
-        let live: usize = self.storages.iter().sum();
-        self.forward_peak = self.forward_peak.max(live + matmul_transient(m, k, n, out, elem));
         self.alloc(s, elem, Op::MatMul(a.0, b.0))
     }
 
@@ -376,12 +362,6 @@ impl Graph {
             }
         }
         (0..self.storages.len()).filter(|&s| stores[s] && !given.contains(&s)).map(|s| self.storages[s]).sum()
-    }
-
-    /// The forward's highest transient above what it had built so far (the
-    /// matmul's packed panels), as a total of every buffer made until then.
-    pub fn forward_peak(&self) -> usize {
-        self.forward_peak
     }
 
     /// candle's `Tensor::sorted_nodes`: depth first from `root`, a node after
@@ -874,6 +854,17 @@ impl ModelShapes {
         let logits = self.head(&mut g, p[n - 2], p[n - 1], p[0], x);
         let loss = self.loss(&mut g, logits);
         g.backward(loss)
+    }
+
+    /// What one block's forward graph holds from its input (a `Var`) to its
+    /// output, before any backward: a block waiting for its backward.
+    pub fn block_graph(&self, b: usize, t: usize) -> usize {
+        let mut g = Graph::new();
+        let c = self.cfg.n_embd;
+        let x = g.var(&[b, t, c], self.elem);
+        let p: Vec<T> = ParamTable::block_shapes(c).iter().map(|s| g.var(s, self.elem)).collect();
+        let y = self.block(&mut g, &p, x);
+        g.activations(y)
     }
 
     /// `blocks` blocks recomputed from a saved input made a `Var`, and the

@@ -51,19 +51,22 @@ fn measure(forward: impl FnOnce() -> Tensor) -> Footprint {
     Footprint { activations, backward_peak, grad_store, var_grads: 0, var_grads_at_peak: 0 }
 }
 
-/// At least the model, and within 1% + 16 KiB of it (the rest: candle's
-/// small allocations — shapes, `Arc`s, the GradStore's map — which the
-/// model leaves out by design).
-fn close(what: &str, measured: usize, model: usize) {
+/// At least the model, and within 1% of it plus `slack` bytes: candle's
+/// small allocations — each op's tensor, shape and strides (about 100 bytes,
+/// some 200 ops per block), the GradStore's map — which the model leaves out
+/// by design.
+fn close(what: &str, measured: usize, model: usize, slack: usize) {
     let r = measured as f64 / model as f64;
-    let ok = measured >= model && measured <= model + model / 100 + (16 << 10);
+    let ok = measured >= model && measured <= model + model / 100 + slack;
     assert!(ok, "{what}: measured {measured} B, model {model} B (ratio {r:.4})");
 }
 
-fn check(what: &str, measured: Footprint, model: Footprint) {
-    close(&format!("{what}: activations"), measured.activations, model.activations);
-    close(&format!("{what}: backward peak"), measured.backward_peak, model.backward_peak);
-    close(&format!("{what}: GradStore"), measured.grad_store, model.grad_store);
+/// `blocks`: how many transformer blocks the pass runs (24 KiB of slack each).
+fn check(what: &str, measured: Footprint, model: Footprint, blocks: usize) {
+    let slack = (16 << 10) + blocks * (24 << 10);
+    close(&format!("{what}: activations"), measured.activations, model.activations, slack);
+    close(&format!("{what}: backward peak"), measured.backward_peak, model.backward_peak, slack);
+    close(&format!("{what}: GradStore"), measured.grad_store, model.grad_store, slack);
 }
 
 fn randn(shape: &[usize], dtype: DType) -> Tensor {
@@ -84,18 +87,21 @@ fn the_whole_model_pass_holds_what_the_shapes_say() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for (preset, b, precision) in cases() {
         let cfg = GptConfig::preset(preset, 65).unwrap();
-        let (table, gpt, t) = (ParamTable::new(&cfg), Gpt::new(cfg), cfg.block_size);
+        let (table, gpt) = (ParamTable::new(&cfg), Gpt::new(cfg));
         let vars = gpt.vars_in(&table, &table.init_flat(1), precision).unwrap();
         let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let (idx, tgt) = (ids(b, t, 65), ids(b, t, 64));
-        let measured = measure(|| loss(&gpt.forward(&table, &ps, &idx).unwrap(), &tgt).unwrap());
-        let model = ModelShapes { cfg, elem: precision.bytes() }.whole_model(&table, (b, t));
-        check(&format!("{preset} {precision} whole model"), measured, model);
-        assert_eq!(model.var_grads, table.numel() * precision.bytes());
-        // What stays beyond the Vars' gradients: one (B, nh, T, T) gradient
-        // per block for the causal mask, a constant candle still gives one.
-        let mask = b * cfg.n_head * t * t * precision.bytes();
-        assert_eq!(model.grad_store - model.var_grads, cfg.n_layer * mask);
+        // The whole context, and half of it (wpe then enters through a narrow).
+        for t in [cfg.block_size, cfg.block_size / 2] {
+            let (idx, tgt) = (ids(b, t, 65), ids(b, t, 64));
+            let measured = measure(|| loss(&gpt.forward(&table, &ps, &idx).unwrap(), &tgt).unwrap());
+            let model = ModelShapes { cfg, elem: precision.bytes() }.whole_model(&table, (b, t));
+            check(&format!("{preset} {precision} whole model, T = {t}"), measured, model, cfg.n_layer);
+            assert_eq!(model.var_grads, table.numel() * precision.bytes());
+            // What stays beyond the Vars' gradients: one (B, nh, T, T) gradient
+            // per block for the causal mask, a constant candle still gives one.
+            let mask = b * cfg.n_head * t * t * precision.bytes();
+            assert_eq!(model.grad_store - model.var_grads, cfg.n_layer * mask);
+        }
     }
 }
 
@@ -104,7 +110,7 @@ fn a_unit_recomputed_from_its_input_holds_what_the_shapes_say() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for (preset, b, precision) in cases() {
         let cfg = GptConfig::preset(preset, 65).unwrap();
-        let (table, gpt, t, dt) = (ParamTable::new(&cfg), Gpt::new(cfg), cfg.block_size, precision.dtype());
+        let (gpt, t, dt) = (Gpt::new(cfg), cfg.block_size, precision.dtype());
         for blocks in [1, 2] {
             let p: Vec<Var> = (0..blocks)
                 .flat_map(|_| ParamTable::block_shapes(cfg.n_embd))
@@ -121,9 +127,8 @@ fn a_unit_recomputed_from_its_input_holds_what_the_shapes_say() {
                 (y * &g).unwrap().sum_all().unwrap()
             });
             let model = ModelShapes { cfg, elem: precision.bytes() }.blocks_recomputed(blocks, (b, t));
-            check(&format!("{preset} {precision} {blocks} block(s)"), measured, model);
+            check(&format!("{preset} {precision} {blocks} block(s)"), measured, model, blocks);
         }
-        let _ = table;
     }
 }
 
@@ -142,7 +147,7 @@ fn the_head_and_the_embedding_backward_hold_what_the_shapes_say() {
             let logits = gpt.head(w.as_tensor(), bias.as_tensor(), wte.as_tensor(), x.as_tensor()).unwrap();
             loss(&logits, &tgt).unwrap()
         });
-        check(&format!("{preset} {precision} head"), measured, shapes.head_and_loss((b, t)));
+        check(&format!("{preset} {precision} head"), measured, shapes.head_and_loss((b, t)), 0);
 
         let rows = Var::zeros((b * t, c), dt, &Device::Cpu).unwrap();
         let wpe = Var::zeros((t, c), dt, &Device::Cpu).unwrap();
@@ -150,6 +155,6 @@ fn the_head_and_the_embedding_backward_hold_what_the_shapes_say() {
         let measured = measure(|| {
             (gpt.add_positions(rows.as_tensor(), wpe.as_tensor(), (b, t)).unwrap() * &g).unwrap().sum_all().unwrap()
         });
-        check(&format!("{preset} {precision} embedding backward"), measured, shapes.embedding_backward((b, t)));
+        check(&format!("{preset} {precision} embedding backward"), measured, shapes.embedding_backward((b, t)), 0);
     }
 }

@@ -297,6 +297,8 @@ impl<'w> Session<'w> {
         label: &str,
         held: &mut dyn FnMut(Unit, bool, &mut Moment),
     ) -> Vec<Moment> {
+        // `held` is asked what the lesson holds besides: at a hand-off the
+        // unit's own gradients are counted here, not by the lesson.
         let (e, (b, t), c, v) = (elem, self.micro_batch_shape(), self.cfg.n_embd, self.cfg.vocab_size);
         let (btc, layers, dt) = (b * t * c, self.cfg.n_layer, if elem == 2 { "bf16" } else { "fp32" });
         let shapes = self.shapes(e);
@@ -379,16 +381,16 @@ impl<'w> Session<'w> {
         moments
     }
 
-    /// Parameters of the blocks whose gradients a collecting backward holds
-    /// when `unit`'s runs (block by block, last first), `handed`: its own
-    /// included.
-    pub fn blocks_done(&self, unit: Unit, handed: bool) -> usize {
+    /// Gradient elements a collecting backward (`forward_backward` under
+    /// recompute) holds when `unit`'s backward runs, block by block, last
+    /// first: every block after it. (At a hand-off, [`Session::blockwise_moments`]
+    /// counts the unit's own.)
+    pub fn grads_collected(&self, unit: Unit) -> usize {
         let block = |i: usize| self.table.unit_range(Unit::Block(i)).len();
-        let all: usize = (0..self.cfg.n_layer).map(block).sum();
         match unit {
             Unit::FinalNorm => 0,
-            Unit::Block(i) => (i + 1..self.cfg.n_layer).map(block).sum::<usize>() + if handed { block(i) } else { 0 },
-            Unit::Embedding => all + if handed { self.table.numel() - all } else { 0 },
+            Unit::Block(i) => (i + 1..self.cfg.n_layer).map(block).sum(),
+            Unit::Embedding => (0..self.cfg.n_layer).map(block).sum(),
         }
     }
 
