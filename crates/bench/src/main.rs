@@ -31,6 +31,9 @@ struct Args {
     /// Presets.
     #[arg(long, value_delimiter = ',', default_value = "tiny,small")]
     presets: Vec<String>,
+    /// Run nothing: redraw the two plots under `--out` from its bench.json.
+    #[arg(long)]
+    replot: bool,
 }
 
 /// One lesson configuration: label, binary, extra flags. Each scheme that
@@ -90,6 +93,15 @@ fn run(a: &Args) -> anyhow::Result<()> {
     // SAFETY: no other thread exists yet.
     unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
     std::fs::create_dir_all(&a.out)?;
+    if a.replot {
+        let j: Value = serde_json::from_slice(&std::fs::read(a.out.join("bench.json"))?)?;
+        let rows: Vec<Row> =
+            j["runs"].as_array().map(|runs| runs.iter().filter_map(row_from_json).collect()).unwrap_or_default();
+        anyhow::ensure!(!rows.is_empty(), "no runs in {}/bench.json", a.out.display());
+        plots(&rows, &a.out)?;
+        println!("redrew {0}/tokens_per_second.svg and {0}/memory_per_rank.svg", a.out.display());
+        return Ok(());
+    }
     let peak = matmul_peak()?;
     println!(
         "single-thread f32 matmul peak of this machine (the model's own kernel, 1024³, best of 5): {:.1} GFLOP/s\n",
@@ -228,6 +240,24 @@ fn row_of(lesson: &'static str, preset: &str, ranks: usize, r: &Value, warmup: u
         tally: r["tally_expected_peak_bytes"].as_u64().unwrap_or(0),
         rss: max("peak_rss_bytes"),
         flops_per_step: flops_per_token * tokens,
+    })
+}
+
+/// A row of bench.json, for redrawing the plots (the bytes are not kept there).
+fn row_from_json(r: &Value) -> Option<Row> {
+    let lesson = LESSONS.iter().map(|l| l.0).find(|l| r["lesson"].as_str() == Some(*l))?;
+    Some(Row {
+        lesson,
+        preset: r["preset"].as_str()?.to_string(),
+        ranks: r["ranks"].as_u64()? as usize,
+        ms_per_step: r["ms_per_step"].as_f64()?,
+        tokens_per_s: r["tokens_per_second"].as_f64()?,
+        comm_ms: r["comm_ms_per_step"].as_f64()?,
+        bytes: vec![],
+        peak_heap: r["peak_heap_bytes"].as_u64()?,
+        tally: r["tally_bytes"].as_u64()?,
+        rss: r["peak_rss_bytes"].as_u64()?,
+        flops_per_step: r["flops_per_step"].as_f64()?,
     })
 }
 

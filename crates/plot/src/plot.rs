@@ -39,11 +39,20 @@ const BOTTOM: f64 = 50.0;
 /// Room under the axis for slanted names (`Chart::x_names`).
 const NAMES: f64 = 150.0;
 
+/// More series than this get their legend under the panel, in two columns,
+/// where it covers no line.
+const LEGEND_INSIDE: usize = 6;
+
+/// Height of a legend under the panel for `n` series (none for a few).
+fn legend_under(n: usize) -> f64 {
+    if n > LEGEND_INSIDE { 16.0 * n.div_ceil(2) as f64 + 8.0 } else { 0.0 }
+}
+
 /// Lays the charts out side by side in one SVG document.
 pub fn svg(charts: &[Chart]) -> String {
     let width = W * charts.len() as f64;
     let below = if charts.iter().any(|c| !c.x_names.is_empty()) { NAMES } else { 0.0 };
-    let height = H + below;
+    let height = H + below + charts.iter().map(|c| legend_under(c.series.len())).fold(0.0, f64::max);
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" viewBox=\"0 0 {width} {height}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
     );
@@ -171,6 +180,16 @@ impl Chart {
                 ser.color,
                 path.join(" ")
             ));
+        }
+        if self.series.len() > LEGEND_INSIDE {
+            // Under the panel, two columns.
+            for (i, ser) in self.series.iter().enumerate() {
+                let dash = if ser.dashed { " stroke-dasharray=\"6 4\"" } else { "" };
+                let (lx, ly) = (LEFT + (i % 2) as f64 * pw / 2.0, H + below + 4.0 + 16.0 * (i / 2) as f64);
+                s.push_str(&format!("<line x1=\"{lx:.1}\" x2=\"{:.1}\" y1=\"{ly:.1}\" y2=\"{ly:.1}\" stroke=\"{}\" stroke-width=\"2\"{dash}/>\n", lx + 24.0, ser.color));
+                s.push_str(&format!("<text x=\"{:.1}\" y=\"{:.1}\">{}</text>\n", lx + 30.0, ly + 4.0, esc(&ser.name)));
+            }
+            return s;
         }
         // The legend goes where the lines cross it least (a corner, else the
         // middle of a side), on a white box.
@@ -377,6 +396,17 @@ fn esc(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn many_series_get_their_legend_under_the_panel() {
+        let series = (0..10)
+            .map(|i| Series { name: format!("s{i}"), color: "#000", points: vec![(1.0, i as f64)], dashed: i % 2 == 1 })
+            .collect();
+        let s = svg(&[Chart { title: "t".into(), series, ..Default::default() }]);
+        assert!(!s.contains("fill-opacity"), "no legend box inside the panel");
+        assert!(s.contains(&format!("height=\"{}\"", H + 16.0 * 5.0 + 8.0)), "five rows of two under it");
+        assert!(s.contains(">s9</text>"));
+    }
 
     #[test]
     fn stacked_bars_stack_from_zero() {
