@@ -169,24 +169,10 @@ impl DataParallel {
         s.data_tally(&mut t);
         let (e, vars_note) = (self.precision.bytes(), "compute copy, rebuilt each step");
         let vars_row = format!("params as candle Vars ({})", self.precision);
-        let mut moments = match self.recompute {
-            false => {
-                let mut m = Moment::new("backward of a micro-batch");
-                m.add(&vars_row, numel, e, vars_note);
-                s.forward_backward_tally(&mut m, e);
-                vec![m]
-            }
-            // Block by block: the gradients collected so far wait for the rest.
-            true => s.blockwise_moments(e, true, "a micro-batch", &mut |unit, _handed, m| {
-                m.add(&vars_row, numel, e, vars_note);
-                let done = s.grads_collected(unit);
-                m.add(&format!("gradients collected ({})", self.precision), done, e, "the blocks done so far");
-            }),
-        };
-        let mut add = Moment::new("adding a micro-batch's gradients to the sum");
-        add.add(&vars_row, numel, e, vars_note);
-        s.gradient_add_tally(&mut add, e, self.recompute);
-        moments.push(add);
+        let add = "adding a micro-batch's gradients to the sum";
+        let mut moments = s.whole_model_moments(e, self.recompute, "a micro-batch", add, &mut |_, m| {
+            m.add(&vars_row, numel, e, vars_note);
+        });
         if groups > 1 && n > 1 {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * padded, 4, "group sums packed per destination");

@@ -183,22 +183,10 @@ impl WholeModelShard {
         }
         s.data_tally(&mut t);
         let vars_note = "compute copy, full";
-        let mut moments = match self.recompute {
-            false => {
-                let mut m = Moment::new("backward of a micro-batch");
-                m.add("params as candle Vars", numel, 4, vars_note);
-                s.forward_backward_tally(&mut m, 4);
-                vec![m]
-            }
-            true => s.blockwise_moments(4, true, "a micro-batch", &mut |unit, _handed, m| {
-                m.add("params as candle Vars", numel, 4, vars_note);
-                m.add("gradients collected", s.grads_collected(unit), 4, "the blocks done so far");
-            }),
-        };
-        let mut add = Moment::new("adding a micro-batch's gradients to the sum");
-        add.add("params as candle Vars", numel, 4, vars_note);
-        s.gradient_add_tally(&mut add, 4, self.recompute);
-        moments.push(add);
+        let add = "adding a micro-batch's gradients to the sum";
+        let mut moments = s.whole_model_moments(4, self.recompute, "a micro-batch", add, &mut |_, m| {
+            m.add("params as candle Vars", numel, 4, vars_note);
+        });
         if groups > 1 && n > 1 {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * l.padded, 4, "group sums packed per destination");

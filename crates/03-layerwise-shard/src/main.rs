@@ -143,7 +143,7 @@ fn main() -> ExitCode {
             .expect_traffic(Collective::ReduceScatter, scatter_bytes)
             .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
             .json("divergence", serde_json::json!(divergence))
-            .json("units", serde_json::json!(fsdp.units.iter().map(|u| serde_json::json!({"name": u.name(), "elements": u.layout().numel, "shard": u.layout().shard_len})).collect::<Vec<_>>()))
+            .json("units", step03_layerwise_shard::units::units_json(&fsdp.units))
             .json("memory_timeline", serde_json::json!(timeline.events));
         if args.check {
             report.table(format!(

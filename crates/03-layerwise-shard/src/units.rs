@@ -277,6 +277,13 @@ pub fn model_ranges(table: &ParamTable, params: &[usize], layout: ShardLayout, r
 }
 // ANCHOR_END: model_ranges
 
+/// The units for report.json: name, elements, my shard's length.
+pub fn units_json(units: &[FsdpUnit]) -> serde_json::Value {
+    let one =
+        |u: &FsdpUnit| serde_json::json!({"name": u.name(), "elements": u.layout.numel, "shard": u.layout.shard_len});
+    serde_json::Value::Array(units.iter().map(one).collect())
+}
+
 /// Every unit of the model on this rank, root first: my shard of each, cut
 /// from `start` (the seed's weights, or a checkpoint's with AdamW's moments).
 pub fn build_units(

@@ -131,7 +131,7 @@ fn main() -> ExitCode {
             .expect_traffic(Collective::AllGather, gathers * sent(args.precision.bytes()))
             .expect_traffic(Collective::ReduceScatter, s.sum_groups.per_rank() as u64 * sent(4))
             .json("stage", serde_json::json!(args.stage))
-            .json("units", serde_json::json!(units.iter().map(|u| serde_json::json!({"name": u.name(), "elements": u.layout().numel, "shard": u.layout().shard_len})).collect::<Vec<_>>()))
+            .json("units", step03_layerwise_shard::units::units_json(units))
             .json("precision", serde_json::json!(args.precision.to_string()))
             .json(
                 "side_by_side_bytes",

@@ -4,7 +4,7 @@
 use fsdp_gpt::Unit;
 use fsdp_harness::session::widen_row;
 use fsdp_harness::table::{Table, mb};
-use fsdp_harness::{MemoryTally, Moment, Session};
+use fsdp_harness::{MemoryTally, Session};
 use step03_layerwise_shard::units::FsdpUnit;
 
 /// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
@@ -152,33 +152,17 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
     let mut t = resident_kept(s, units);
     let mut moments = vec![];
     for k in 0..s.my_micro_batches().len() {
-        let held = s.sum_groups.allocated_before(k);
-        let vars_and_sums = |m: &mut Moment, held: usize| {
+        let (label, add) = (format!("micro-batch {k}"), format!("adding micro-batch {k}'s gradients to the sums"));
+        moments.extend(s.whole_model_moments(e, recompute, &label, &add, &mut |adding, m| {
+            // The sums' buffers: those of my micro-batches so far, this one's once it is added.
+            let held = s.sum_groups.allocated_before(k + usize::from(adding));
             m.add(&format!("compute copy as candle Vars ({dt})"), numel, e, "whole model").add(
                 "grad sums (fp32)",
                 held * padded,
                 4,
                 "whole model, over my micro-batches so far",
             );
-        };
-        match recompute {
-            false => {
-                let mut m = Moment::new(format!("backward of micro-batch {k}"));
-                vars_and_sums(&mut m, held);
-                s.forward_backward_tally(&mut m, e);
-                moments.push(m);
-            }
-            true => {
-                moments.extend(s.blockwise_moments(e, true, &format!("micro-batch {k}"), &mut |unit, _handed, m| {
-                    vars_and_sums(m, held);
-                    m.add(&format!("gradients collected ({dt})"), s.grads_collected(unit), e, "the blocks done so far");
-                }))
-            }
-        }
-        let mut m = Moment::new(format!("adding micro-batch {k}'s gradients to the sums"));
-        vars_and_sums(&mut m, s.sum_groups.allocated_before(k + 1));
-        s.gradient_add_tally(&mut m, e, recompute);
-        moments.push(m);
+        }));
     }
     t.peak(moments);
     t

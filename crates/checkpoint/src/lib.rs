@@ -346,13 +346,14 @@ pub fn resolve(dir: &Path, flag: &str) -> anyhow::Result<PathBuf> {
 /// tensor's name and length) and reassembles its whole state in model order.
 pub fn read(dir: &Path, flag: &str) -> anyhow::Result<(Meta, Resumed)> {
     let (meta, reader) = open(dir, flag, |_| true)?;
-    let all = std::slice::from_ref(&(0..reader.table.numel())).to_vec();
+    let all = 0..reader.table.numel();
+    let all = std::slice::from_ref(&all);
     let resumed = Resumed {
         from: reader.dir.clone(),
         step: meta.step,
-        master: reader.read(Part::Master, &all)?,
-        m: reader.read(Part::M, &all)?,
-        v: reader.read(Part::V, &all)?,
+        master: reader.read(Part::Master, all)?,
+        m: reader.read(Part::M, all)?,
+        v: reader.read(Part::V, all)?,
         t: meta.adamw.t,
         saved_world: meta.world_size,
         sum_groups: meta.sum_groups,

@@ -24,7 +24,7 @@ use candle_core::{Device, Tensor, Var};
 
 use crate::data::Batch;
 use crate::error::{GptError, Result};
-use crate::model::{Gpt, add_into, loss};
+use crate::model::{Gpt, add_each, loss};
 use crate::params::{PARAMS_PER_BLOCK, ParamTable, Unit};
 
 /// A micro-batch's gradients: candle's GradStore of one whole-graph
@@ -49,15 +49,7 @@ impl Grads {
     /// so the order of the entries does not matter; a bf16 gradient is
     /// widened to fp32 first (exactly).
     pub fn add_to(&self, params: &[usize], vars: &[Var], acc: &mut [f32]) -> Result<()> {
-        let mut at = 0;
-        for (&i, v) in params.iter().zip(vars) {
-            let n = v.elem_count();
-            if let Some(g) = self.get(i, v) {
-                add_into(&mut acc[at..at + n], g)?;
-            }
-            at += n;
-        }
-        Ok(())
+        add_each(vars, acc, |k, v| self.get(params[k], v))
     }
 }
 

@@ -204,10 +204,16 @@ pub fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> 
 /// micro-batches, so its order of additions is part of every lesson's result.
 /// A bf16 gradient is widened to fp32 first (exactly: every bf16 is an f32).
 pub fn add_grads(grads: &candle_core::backprop::GradStore, vars: &[Var], acc: &mut [f32]) -> Result<()> {
+    add_each(vars, acc, |_, v| grads.get(v.as_tensor()))
+}
+
+/// `acc += g` for each of `vars` in order, their flat slots back to back,
+/// with `grad(k, var)` the k-th one's gradient (none: nothing added).
+pub fn add_each<'g>(vars: &[Var], acc: &mut [f32], grad: impl Fn(usize, &Var) -> Option<&'g Tensor>) -> Result<()> {
     let mut at = 0;
-    for v in vars {
+    for (k, v) in vars.iter().enumerate() {
         let n = v.elem_count();
-        if let Some(g) = grads.get(v.as_tensor()) {
+        if let Some(g) = grad(k, v) {
             add_into(&mut acc[at..at + n], g)?;
         }
         at += n;

@@ -381,6 +381,44 @@ impl<'w> Session<'w> {
         moments
     }
 
+    /// The moments of one micro-batch of [`Session::forward_backward`]: its
+    /// backward (the whole graph's, or block by block under `recompute`, the
+    /// gradients collected so far waiting), then the adding of its gradients
+    /// to the sums (`add_label`). `held(adding, m)`: what the lesson holds
+    /// besides, at the backward (`false`) or at the add (`true`).
+    pub fn whole_model_moments(
+        &self,
+        elem: usize,
+        recompute: bool,
+        label: &str,
+        add_label: &str,
+        held: &mut dyn FnMut(bool, &mut Moment),
+    ) -> Vec<Moment> {
+        let dt = if elem == 2 { "bf16" } else { "fp32" };
+        let mut moments = match recompute {
+            false => {
+                let mut m = Moment::new(format!("backward of {label}"));
+                held(false, &mut m);
+                self.forward_backward_tally(&mut m, elem);
+                vec![m]
+            }
+            true => self.blockwise_moments(elem, true, label, &mut |unit, _handed, m| {
+                held(false, m);
+                m.add(
+                    &format!("gradients collected ({dt})"),
+                    self.grads_collected(unit),
+                    elem,
+                    "the blocks done so far",
+                );
+            }),
+        };
+        let mut add = Moment::new(add_label);
+        held(true, &mut add);
+        self.gradient_add_tally(&mut add, elem, recompute);
+        moments.push(add);
+        moments
+    }
+
     /// Gradient elements a collecting backward (`forward_backward` under
     /// recompute) holds when `unit`'s backward runs, block by block, last
     /// first: every block after it. (At a hand-off, [`Session::blockwise_moments`]
