@@ -15,7 +15,8 @@ fn report_is_pinned_at_1_to_4_ranks() {
 
 /// Lesson 03's final weights equal lesson 01's bit for bit at N = 1, 2, 3,
 /// 4, 8 — weights files byte-identical — and so do its variants: prefetch,
-/// two or three blocks per unit.
+/// two or three blocks per unit, the lm_head gradient kept or the head
+/// recomputed (at this shape B·T < V, so the default recomputes it).
 #[test]
 fn bitwise_equal_to_lesson_01_at_1_2_3_4_8_ranks() {
     for n in [1usize, 2, 3, 4, 8] {
@@ -23,8 +24,8 @@ fn bitwise_equal_to_lesson_01_at_1_2_3_4_8_ranks() {
         ok_stdout(&o);
         let dp_weights = std::fs::read(dp.join("weights.safetensors")).unwrap();
         let variants: &[&[&str]] = match n {
-            2 => &[&[], &["--prefetch"], &["--blocks-per-unit", "2"]],
-            4 => &[&[], &["--prefetch", "--blocks-per-unit", "3"]],
+            2 => &[&[], &["--prefetch"], &["--blocks-per-unit", "2"], &["--head-grad", "keep"]],
+            4 => &[&[], &["--prefetch", "--blocks-per-unit", "3"], &["--head-grad", "keep", "--prefetch"]],
             _ => &[&[]],
         };
         for (i, extra) in variants.iter().enumerate() {
@@ -51,27 +52,72 @@ fn check_sees_zero_divergence_every_step() {
     assert_eq!(div, vec![0.0; 3]);
 }
 
-/// Every unit is gathered twice and reduce-scattered once per step: the
-/// counted bytes equal (N − 1) · shard · 4 per collective call, summed — and
-/// at 2 ranks the all-gathers move exactly twice lesson 02's.
+/// Every unit is gathered twice and reduce-scattered once per step — the
+/// root a third time when the head is recomputed: the counted bytes equal
+/// (N − 1) · shard · 4 per collective call, summed — and at 2 ranks the
+/// all-gathers move exactly twice lesson 02's when the head is not recomputed.
 #[test]
 fn traffic_is_two_gathers_and_one_reduce_scatter_per_unit() {
     for n in [2usize, 3] {
-        let (o, out) = mpirun(PKG, n, FAST, &format!("l03-traffic-{n}"));
-        ok_stdout(&o);
-        let r = report(&out);
-        let steps = r["steps"].as_u64().unwrap();
-        let units = r["units"].as_array().unwrap();
-        let per_unit: u64 = units.iter().map(|u| (n as u64 - 1) * u["shard"].as_u64().unwrap() * 4).sum();
-        let t = &r["traffic"];
-        assert_eq!(t["all_gather"]["calls"].as_u64().unwrap(), 2 * units.len() as u64 * steps);
-        assert_eq!(t["all_gather"]["bytes_sent"].as_u64().unwrap(), 2 * per_unit * steps);
-        assert_eq!(t["reduce_scatter"]["calls"].as_u64().unwrap(), units.len() as u64 * steps);
-        assert_eq!(t["reduce_scatter"]["bytes_sent"].as_u64().unwrap(), per_unit * steps);
-        if n == 2 {
-            assert_eq!(2 * per_unit, 2 * 1_619_712, "tiny at 2 ranks: twice lesson 02's all-gather (1,619,712 bytes)");
+        for (head, root_gathers) in [("keep", 2), ("recompute", 3)] {
+            let args: Vec<&str> = FAST.iter().copied().chain(["--no-plot", "--head-grad", head]).collect();
+            let (o, out) = mpirun(PKG, n, &args, &format!("l03-traffic-{n}-{head}"));
+            ok_stdout(&o);
+            let r = report(&out);
+            assert_eq!(r["head_grad"], head);
+            let steps = r["steps"].as_u64().unwrap();
+            let units = r["units"].as_array().unwrap();
+            let shard = |u: &serde_json::Value| (n as u64 - 1) * u["shard"].as_u64().unwrap() * 4;
+            let per_unit: u64 = units.iter().map(shard).sum();
+            let root = shard(&units[0]);
+            let gathers = 2 * units.len() as u64 + root_gathers - 2;
+            let t = &r["traffic"];
+            assert_eq!(t["all_gather"]["calls"].as_u64().unwrap(), gathers * steps, "{head}");
+            assert_eq!(
+                t["all_gather"]["bytes_sent"].as_u64().unwrap(),
+                (2 * per_unit + (root_gathers - 2) * root) * steps,
+                "{head}"
+            );
+            assert_eq!(t["reduce_scatter"]["calls"].as_u64().unwrap(), units.len() as u64 * steps);
+            assert_eq!(t["reduce_scatter"]["bytes_sent"].as_u64().unwrap(), per_unit * steps);
+            if n == 2 {
+                assert_eq!(
+                    2 * per_unit,
+                    2 * 1_619_712,
+                    "tiny at 2 ranks: twice lesson 02's all-gather (1,619,712 bytes)"
+                );
+            }
         }
     }
+}
+
+/// Where the tied `wte`'s lm_head gradient waits: kept, it costs (V, C) per
+/// micro-batch; with the head recomputed, the head's input (B, T, C). At
+/// the default 8 × 64 tokens the input is larger, so the default keeps the
+/// gradient; forcing the recompute raises the measured peak by what the
+/// tally says, and changes no bit.
+#[test]
+fn head_grad_holds_the_smaller_buffer() {
+    let base = ["--steps", "2", "--micro-batches", "8", "--no-plot"];
+    let run = |extra: &[&str], name: &str| {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let (o, out) = mpirun(PKG, 2, &args, name);
+        (ok_stdout(&o), out)
+    };
+    let (stdout, auto) = run(&[], "l03-head-auto");
+    assert!(stdout.contains("its lm_head part kept: (V, C) = 65 × 128 per micro-batch"), "{stdout}");
+    let (_, keep) = run(&["--head-grad", "keep"], "l03-head-keep");
+    let (stdout, rc) = run(&["--head-grad", "recompute"], "l03-head-recompute");
+    assert!(stdout.contains("the head recomputed at the end: input (B, T, C) = 8 × 64 × 128"), "{stdout}");
+    assert_eq!(digest(&auto), digest(&keep));
+    assert_eq!(digest(&keep), digest(&rc));
+    let peak = |out: &std::path::Path| report(out)["measured_peak_bytes"][0].as_f64().unwrap();
+    let tally = |out: &std::path::Path| report(out)["tally_expected_peak_bytes"].as_f64().unwrap();
+    assert_eq!(peak(&auto), peak(&keep));
+    // 4 micro-batches per rank, each holding (B·T − V)·C more f32: 915,456 bytes.
+    let (more, predicted) = (peak(&rc) - peak(&keep), tally(&rc) - tally(&keep));
+    assert_eq!(predicted, (4 * (8 * 64 - 65) * 128 * 4) as f64);
+    assert!((more / predicted - 1.0).abs() < 0.02, "measured {more} B more, the tallies say {predicted}");
 }
 
 /// The point of the lesson, measured: the timeline of one step has a gather
@@ -95,7 +141,7 @@ fn measured_peak_is_below_lesson_02() {
         .iter()
         .filter(|e| e["label"].as_str().unwrap().starts_with("gather "))
         .count();
-    assert_eq!(gathers, 10, "root and 4 blocks, twice each");
+    assert_eq!(gathers, 11, "root and 4 blocks, twice each; the root again, for the head (B·T < V here)");
     let (whole, layerwise) = (peak(&tl["whole_model"]), peak(&tl["layerwise"]));
     assert!(layerwise * 10 < whole * 8, "one step: lesson 03 peaks at {layerwise} bytes, lesson 02 at {whole}");
     let run_peak = |out: &std::path::Path| report(out)["measured_peak_bytes"][0].as_u64().unwrap();

@@ -4,6 +4,7 @@ use fsdp_comm::ShardLayout;
 use fsdp_gpt::rng::SplitMix64;
 use fsdp_gpt::{GptConfig, ParamTable};
 use fsdp_harness::table::{Table, mb, thousands};
+use step03_layerwise_shard::HeadGrad;
 use step03_layerwise_shard::tally::bytes_per_step;
 use step03_layerwise_shard::units::unit_params;
 
@@ -49,7 +50,7 @@ fn exercise_3_2_count_the_all_gathers() {
         Table::new(["ranks", "lesson 03 all-gather bytes / step", "lesson 02 all-gather bytes / step", "ratio"]);
     for ranks in [1, 2, 3, 4, 8] {
         let layouts: Vec<ShardLayout> = sizes.iter().map(|&n| ShardLayout::new(n, ranks)).collect();
-        let (lesson, _) = bytes_per_step(&layouts);
+        let (lesson, _) = bytes_per_step(&layouts, HeadGrad::Keep); // the root gathered twice
         assert_eq!(all_gather_bytes(&sizes, ranks), lesson, "{ranks} ranks");
         let l = ShardLayout::new(whole, ranks);
         let whole_model = ((ranks - 1) * l.shard_len * 4) as u64;

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! forward    root·embed → h.0 → h.1 → … → h.L−1 → root·head (loss, and its backward)
-//! backward   h.L−1 → … → h.1 → h.0 → root·embed-backward (needs no weights)
+//! backward   h.L−1 → … → h.1 → h.0 → root·embed-backward (no weights, unless the head is recomputed)
 //! ```
 //!
 //! At every entry: **all-gather** the unit, compute, **free** it; so every
@@ -20,7 +20,10 @@
 //!
 //! The tied `wte` gets its lm_head part at the head and its embedding part
 //! at the very end, combined the way candle's whole-graph backward combines
-//! them, so the weights stay lesson 01's, bit for bit.
+//! them, so the weights stay lesson 01's, bit for bit. In between, a rank
+//! holds per micro-batch either that lm_head part (V, C) or the head's input
+//! (B, T, C), recomputing the head at the end: [`HeadGrad`], whichever is
+//! smaller.
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use fsdp_comm::MicroBatchSum;
@@ -42,25 +45,96 @@ pub enum Phase {
     Head,
     /// Block unit `u`: recompute from the saved input, backpropagate, reduce-scatter.
     Backward(usize),
-    /// Root: the embedding's backward (no weights needed); completes the
-    /// tied `wte` gradient, then the root's gradient is reduce-scattered.
-    EmbedBackward,
+    /// Root: the embedding's backward; completes the tied `wte` gradient,
+    /// then the root's gradient is reduce-scattered. It needs no weights,
+    /// unless the head is recomputed here ([`HeadGrad::Recompute`]).
+    EmbedBackward(HeadGrad),
+}
+
+// ANCHOR: head_grad
+/// Where the tied `wte`'s lm_head gradient waits for its embedding part.
+/// Candle's one backward forms `wte`'s gradient per micro-batch as the
+/// lm_head part with the token rows index-added onto it, and micro-batches
+/// are summed as whole gradients; so each micro-batch's lm_head part must
+/// exist whole when its rows arrive, at the very end of the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadGrad {
+    /// Hold the lm_head part, (V, C) per micro-batch, from the head to the
+    /// embedding's backward.
+    Keep,
+    /// Hold the head's input, (B, T, C) per micro-batch, and recompute the
+    /// head at the embedding's backward: the root is gathered a third time,
+    /// and the head runs forward and backward twice.
+    Recompute,
+}
+
+impl HeadGrad {
+    /// Whichever holds less per micro-batch: (V, C) against (B, T, C). A
+    /// 65-character vocabulary keeps the lm_head part (8,320 elements
+    /// against 65,536 on 8 × 64 tokens at C = 128); GPT-2's 50,257 tokens
+    /// recompute the head.
+    pub fn smaller(micro_batch: (usize, usize), vocab: usize) -> Self {
+        if micro_batch.0 * micro_batch.1 < vocab { HeadGrad::Recompute } else { HeadGrad::Keep }
+    }
+}
+// ANCHOR_END: head_grad
+
+impl HeadGrad {
+    /// All-gathers of the root per step: the embedding and the head, and
+    /// the head again when it is recomputed.
+    pub fn root_gathers(self) -> usize {
+        match self {
+            HeadGrad::Keep => 2,
+            HeadGrad::Recompute => 3,
+        }
+    }
+
+    /// The flag's word for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeadGrad::Keep => "keep",
+            HeadGrad::Recompute => "recompute",
+        }
+    }
+
+    /// For the config table.
+    pub fn describe(self, micro_batch: (usize, usize), c: usize, vocab: usize) -> String {
+        let (held, shape) = match self {
+            HeadGrad::Keep => ("its lm_head part kept", format!("(V, C) = {vocab} × {c}")),
+            HeadGrad::Recompute => (
+                "the head recomputed at the end",
+                format!("input (B, T, C) = {} × {} × {c}", micro_batch.0, micro_batch.1),
+            ),
+        };
+        format!("{held}: {shape} per micro-batch")
+    }
+}
+
+impl std::str::FromStr for HeadGrad {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "keep" => Ok(HeadGrad::Keep),
+            "recompute" => Ok(HeadGrad::Recompute),
+            _ => Err(format!("unknown --head-grad {s:?}: pass keep or recompute (or leave it out: the smaller)")),
+        }
+    }
 }
 
 impl Phase {
     /// Which unit the phase gathers.
     pub fn unit(self) -> usize {
         match self {
-            Phase::Embed | Phase::Head | Phase::EmbedBackward => 0,
+            Phase::Embed | Phase::Head | Phase::EmbedBackward(_) => 0,
             Phase::Forward(u) | Phase::Backward(u) => u,
         }
     }
 }
 
 impl Phase {
-    /// The embedding's backward is the one entry that needs no weights.
+    /// The embedding's backward alone is the one entry that needs no weights.
     pub fn needs_weights(self) -> bool {
-        self != Phase::EmbedBackward
+        self != Phase::EmbedBackward(HeadGrad::Keep)
     }
 
     pub fn label(self) -> &'static str {
@@ -69,31 +143,36 @@ impl Phase {
             Phase::Forward(_) => "forward",
             Phase::Head => "head forward+backward",
             Phase::Backward(_) => "recompute+backward",
-            Phase::EmbedBackward => "embedding backward",
+            Phase::EmbedBackward(HeadGrad::Keep) => "embedding backward",
+            Phase::EmbedBackward(HeadGrad::Recompute) => "head recompute+embedding backward",
         }
     }
 }
 
 /// The step's schedule for `block_units` block units.
-pub fn schedule(block_units: usize) -> Vec<Phase> {
+pub fn schedule(block_units: usize, head: HeadGrad) -> Vec<Phase> {
     let mut s = vec![Phase::Embed];
     s.extend((1..=block_units).map(Phase::Forward));
     s.push(Phase::Head);
     s.extend((1..=block_units).rev().map(Phase::Backward));
-    s.push(Phase::EmbedBackward);
+    s.push(Phase::EmbedBackward(head));
     s
 }
 
 /// What travels between the schedule's entries, per micro-batch of mine.
 struct Carry {
     batches: Vec<Batch>,
+    head_grad: HeadGrad,
     /// Saved unit inputs: `inputs[u − 1][k]` is block unit u's input (B, T, C);
     /// the last entry is the head's. Popped as backward consumes them.
     inputs: Vec<Vec<Tensor>>,
     /// The upstream gradient dL/dx at the current unit boundary, (B, T, C).
     upstream: Vec<Tensor>,
-    /// The lm_head's part of the tied `wte` gradient, held until the embedding's part arrives.
+    /// The lm_head's part of the tied `wte` gradient, held until the
+    /// embedding's part arrives ([`HeadGrad::Keep`]) …
     head_wte: Vec<Tensor>,
+    /// … or the head's input, to recompute it then ([`HeadGrad::Recompute`]).
+    head_inputs: Vec<Tensor>,
     /// The final LayerNorm's gradient (weight, bias), likewise: the root's
     /// gradient is summed over micro-batches once all its parts exist.
     head_lnf: Vec<[Tensor; 2]>,
@@ -105,6 +184,8 @@ pub struct LayerwiseShard {
     pub units: Vec<FsdpUnit>,
     /// Gather the next unit while computing this one (MPI's non-blocking all-gather).
     pub prefetch: bool,
+    /// What waits for the tied `wte`'s embedding part.
+    pub head_grad: HeadGrad,
 }
 
 impl LayerwiseShard {
@@ -113,9 +194,17 @@ impl LayerwiseShard {
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
         let w = s.world;
         let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
-        let mut c =
-            Carry { batches, inputs: vec![], upstream: vec![], head_wte: vec![], head_lnf: vec![], loss_sum: 0.0 };
-        let plan = schedule(self.units.len() - 1);
+        let mut c = Carry {
+            batches,
+            head_grad: self.head_grad,
+            inputs: vec![],
+            upstream: vec![],
+            head_wte: vec![],
+            head_inputs: vec![],
+            head_lnf: vec![],
+            loss_sum: 0.0,
+        };
+        let plan = schedule(self.units.len() - 1, self.head_grad);
         let mut prefetched: Option<Tensor> = None;
         for (at, &phase) in plan.iter().enumerate() {
             let unit = &self.units[phase.unit()];
@@ -208,15 +297,15 @@ fn run_phase(
         Phase::Head => {
             let (lnf, wte) = (&tracked[2..4], &tracked[0]);
             for (x, b) in c.inputs.pop().context("head input")?.into_iter().zip(&c.batches) {
-                let x = Var::from_tensor(&x)?;
-                let logits = m.head(&lnf[0], &lnf[1], wte, x.as_tensor())?; // (B, T, V)
-                let loss = cross_entropy(&logits, &b.targets)?;
-                let grads = loss.backward()?;
-                c.loss_sum += loss.to_scalar::<f32>()? as f64;
+                let (loss, grads, xv) = head_backward(s, lnf, wte, &x, b)?;
+                c.loss_sum += loss as f64;
                 let lnf_grad = |v: &Var| grads.get(v).map(Tensor::detach).context("ln_f grad");
                 c.head_lnf.push([lnf_grad(&p[2])?, lnf_grad(&p[3])?]);
-                c.head_wte.push(grads.get(&p[0]).context("wte grad")?.detach());
-                c.upstream.push(grads.get(&x).context("head input grad")?.detach());
+                match c.head_grad {
+                    HeadGrad::Keep => c.head_wte.push(grads.get(&p[0]).context("wte grad")?.detach()),
+                    HeadGrad::Recompute => c.head_inputs.push(x), // the lm_head part is dropped here
+                }
+                c.upstream.push(grads.get(&xv).context("head input grad")?.detach());
             }
             Ok(None)
         }
@@ -233,14 +322,23 @@ fn run_phase(
             }
             Ok(Some(sum))
         }
-        Phase::EmbedBackward => {
+        Phase::EmbedBackward(head_grad) => {
             // The embedding's backward needs only the token ids and the
-            // upstream gradient — no weights, so nothing was gathered.
+            // upstream gradient — no weights; they were gathered only if the
+            // head is recomputed here.
             let mut sum = s.grad_sum(unit.layout().padded);
             let r = unit.ranges(); // wte, wpe, ln_f.weight, ln_f.bias
             let dtype = c.upstream.first().map_or(DType::F32, Tensor::dtype); // the compute dtype
             let wpe_var = Var::zeros(s.table.specs[unit.params()[1]].shape.as_slice(), dtype, &Device::Cpu)?;
-            for (((b, g), head), lnf) in c.batches.iter().zip(&c.upstream).zip(&c.head_wte).zip(&c.head_lnf) {
+            for (k, ((b, g), lnf)) in c.batches.iter().zip(&c.upstream).zip(&c.head_lnf).enumerate() {
+                let head = match head_grad {
+                    HeadGrad::Keep => c.head_wte[k].clone(),
+                    HeadGrad::Recompute => {
+                        // The head again, on the same input: the same bits as the first time.
+                        let (_, grads, _) = head_backward(s, &tracked[2..4], &tracked[0], &c.head_inputs[k], b)?;
+                        grads.get(&p[0]).context("wte grad")?.detach()
+                    }
+                };
                 let ids = b.inputs.flatten_all()?; // (B·T)
                 let rows = Var::zeros((ids.dim(0)?, s.cfg.n_embd), dtype, &Device::Cpu)?; // stand-in for the looked-up rows
                 let grads = (m.add_positions(&rows, &wpe_var, b.inputs.dims2()?)? * g)?.sum_all()?.backward()?;
@@ -259,6 +357,23 @@ fn run_phase(
             Ok(Some(sum))
         }
     }
+}
+
+/// The head's forward and backward on one micro-batch: its loss, the
+/// gradients (ln_f, `wte`'s lm_head part, the input's) and the input as the
+/// Var they were taken for.
+fn head_backward(
+    s: &Session,
+    lnf: &[Tensor],
+    wte: &Tensor,
+    x: &Tensor,
+    b: &Batch,
+) -> anyhow::Result<(f32, candle_core::backprop::GradStore, Var)> {
+    let x = Var::from_tensor(x)?; // a copy, so backward reaches it
+    let logits = s.model.head(&lnf[0], &lnf[1], wte, x.as_tensor())?; // (B, T, V)
+    let loss = cross_entropy(&logits, &b.targets)?;
+    let grads = loss.backward()?;
+    Ok((loss.to_scalar::<f32>()?, grads, x))
 }
 
 /// The unit's blocks, in order, on one micro-batch. (B, T, C) → (B, T, C).

@@ -7,11 +7,12 @@
 //!
 //! ```no_run
 //! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
-//! use step03_layerwise_shard::{LayerwiseShard, units::{UnitPolicy, build_units}};
+//! use step03_layerwise_shard::{HeadGrad, LayerwiseShard, units::{UnitPolicy, build_units}};
 //! // One block per unit, resharded after every use, gathered in fp32 (FSDP2's defaults).
 //! let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, UnitPolicy::default())?;
 //! drop(start); // my shards are read
-//! let mut fsdp = LayerwiseShard { units, prefetch: false };
+//! let head_grad = HeadGrad::smaller(s.micro_batch_shape(), s.cfg.vocab_size);
+//! let mut fsdp = LayerwiseShard { units, prefetch: false, head_grad };
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }
 //! ```
@@ -19,4 +20,4 @@ pub mod layerwise_shard;
 pub mod tally;
 pub mod units;
 
-pub use layerwise_shard::{LayerwiseShard, Phase, schedule};
+pub use layerwise_shard::{HeadGrad, LayerwiseShard, Phase, schedule};

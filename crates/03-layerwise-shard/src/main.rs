@@ -20,9 +20,9 @@ use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
-use step03_layerwise_shard::LayerwiseShard;
 use step03_layerwise_shard::tally::{bytes_per_step, tally, unsharded_peak_table};
 use step03_layerwise_shard::units::{UnitPolicy, build_units};
+use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 const LESSON: Lesson =
     Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time" };
@@ -38,6 +38,11 @@ struct Args {
     /// fewer and larger gathers, a higher unsharded peak.
     #[arg(long, default_value_t = 1, value_name = "G")]
     blocks_per_unit: usize,
+    /// Where the tied wte's lm_head gradient waits for its embedding part:
+    /// keep it, (V, C) per micro-batch, or recompute the head at the end
+    /// from its input, (B, T, C) per micro-batch. Default: whichever is smaller.
+    #[arg(long, value_name = "keep|recompute")]
+    head_grad: Option<HeadGrad>,
     /// Run lesson 02 (bitwise lesson 01) beside, compare the weights every
     /// step (report.json keeps each step's max |layer-wise − whole-model|;
     /// the log lines print it).
@@ -69,19 +74,21 @@ fn main() -> ExitCode {
         // My shard of every unit, cut from the seed's weights (or the checkpoint's).
         let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, UnitPolicy::default())?;
         let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
+        let head_grad = args.head_grad.unwrap_or(HeadGrad::smaller(s.micro_batch_shape(), s.cfg.vocab_size));
         s.print_config(&[
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
             (
                 "prefetch",
                 if args.prefetch { "on: next unit's all-gather overlaps compute".into() } else { "off".into() },
             ),
+            ("tied wte's gradient", head_grad.describe(s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size)),
             (
                 "check against lesson 02",
                 if args.check { "every step".into() } else { "off (--check turns it on)".into() },
             ),
         ]);
 
-        let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch };
+        let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch, head_grad };
         let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes
         let mut timeline = MemoryTimeline::off();
@@ -111,7 +118,7 @@ fn main() -> ExitCode {
         let full = fsdp.gather_full(&s);
 
         let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout()).collect();
-        let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts);
+        let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts, head_grad);
         let scatter_bytes = scatter_bytes * s.sum_groups.per_rank() as u64; // one sum per group of mine
         let mut units = Table::new(["unit", "elements", "padding", "shard / rank", "MB unsharded"]);
         for u in &fsdp.units {
@@ -125,7 +132,7 @@ fn main() -> ExitCode {
             ]);
         }
         let max_div = divergence.iter().copied().fold(0.0, nan_max);
-        let mut memory = tally(&s, &fsdp.units, args.prefetch);
+        let mut memory = tally(&s, &fsdp.units, args.prefetch, head_grad);
         if let Some(r) = &reference_tally {
             // --check: lesson 02 beside, a diagnostic. Its state stays; its
             // step's peak shows only where it exceeds this lesson's.
@@ -144,6 +151,7 @@ fn main() -> ExitCode {
             .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
             .json("divergence", serde_json::json!(divergence))
             .json("units", step03_layerwise_shard::units::units_json(&fsdp.units))
+            .json("head_grad", serde_json::json!(head_grad.name()))
             .json("memory_timeline", serde_json::json!(timeline.events));
         if args.check {
             report.table(format!(

@@ -6,6 +6,7 @@ use fsdp_harness::session::{pass_rows, widen_row};
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
+use crate::layerwise_shard::HeadGrad;
 use crate::units::FsdpUnit;
 
 // ANCHOR: tally
@@ -14,7 +15,7 @@ use crate::units::FsdpUnit;
 /// unit's recompute+backward or the embedding's backward, micro-batch by
 /// micro-batch — with what it carries from the entries before it.
 /// Lesson 04's stage 3 runs the same schedule and uses it too.
-pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
+pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) -> MemoryTally {
     let n = s.world.size();
     let e = units[0].param_bytes(); // the compute dtype's bytes
     let dt = if e == 2 { "bf16" } else { "fp32" };
@@ -39,20 +40,28 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
         m.add("micro-batch token ids", mine * 2 * b * t, 4, "inputs and targets of my micro-batches");
     };
     // What the backward entries carry: the upstream gradient and the head's
-    // outputs for each of my micro-batches.
+    // outputs for each of my micro-batches (`done` of them so far).
     let carried = |m: &mut Moment, done: usize| {
         m.add(
             &format!("upstream gradients ({dt})"),
             done * btc,
             e,
             "dL/dx at the unit boundary, (B, T, C) per micro-batch",
-        )
-        .add(
-            &format!("lm_head part of wte grad ({dt})"),
-            done * v * c,
-            e,
-            "per micro-batch, until the embedding's part",
-        )
+        );
+        match head {
+            HeadGrad::Keep => m.add(
+                &format!("lm_head part of wte grad ({dt})"),
+                done * v * c,
+                e,
+                "per micro-batch, until the embedding's part",
+            ),
+            HeadGrad::Recompute => m.add(
+                &format!("saved head inputs ({dt})"),
+                done * btc,
+                e,
+                "(B, T, C) per micro-batch, to recompute the head at the end",
+            ),
+        }
         .add(
             &format!("ln_f grads ({dt})"),
             done * 2 * c,
@@ -80,6 +89,18 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
         );
     };
     let largest_tensor = |u: &FsdpUnit| u.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
+    // The unit whose entry follows block unit u's backward: the one below,
+    // or after the last the root, when the head is recomputed.
+    let next_after = |u: usize| match u {
+        1 => (head == HeadGrad::Recompute).then(|| &units[0]),
+        _ => Some(&units[u - 1]),
+    };
+    let recomputed = |m: &mut Moment| {
+        if head == HeadGrad::Recompute {
+            m.add(&format!("root as candle Vars ({dt})"), units[0].layout().numel, e, "gathered again, for the head")
+                .add(&format!("lm_head part of wte grad ({dt})"), v * c, e, "recomputed, this micro-batch's");
+        }
+    };
     let mut moments = vec![];
     for k in 0..mine {
         // The head: my micro-batch k's head forward and backward.
@@ -112,7 +133,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
             ids(&mut m);
             let f = shapes.blocks_recomputed(unit.blocks(), (b, t));
             pass_rows(&mut m, &f, "the unit's recomputed graph");
-            prefetched(&mut m, (u > 1).then(|| &units[u - 1]));
+            prefetched(&mut m, next_after(u));
             moments.push(m);
             // Then its gradient is added to the unit's sum, the graph still alive.
             let mut m = Moment::new(format!("adding {}'s gradient of micro-batch {k}", unit.name()));
@@ -134,12 +155,24 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
             )
             .add("candle's GradStore", f.grad_store, 1, "the unit's gradients and its input's");
             widen_row(&mut m, e, largest_tensor(unit));
-            prefetched(&mut m, (u > 1).then(|| &units[u - 1]));
+            prefetched(&mut m, next_after(u));
+            moments.push(m);
+        }
+        // The head recomputed, when it is: the root gathered again.
+        if head == HeadGrad::Recompute {
+            let mut m = Moment::new(format!("head recompute, micro-batch {k}"));
+            m.add(&format!("root as candle Vars ({dt})"), units[0].layout().numel, e, "gathered again, for the head");
+            carried(&mut m, mine);
+            sums(&mut m, &units[0], k);
+            m.add(&format!("the head's input as a Var ({dt})"), btc, e, "a copy, as in the head entry");
+            ids(&mut m);
+            pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph, again");
             moments.push(m);
         }
         // The embedding's backward: no weights, the tied wte completed.
         let mut m = Moment::new(format!("embedding backward, micro-batch {k}"));
         carried(&mut m, mine);
+        recomputed(&mut m);
         sums(&mut m, &units[0], k);
         m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), s.cfg.block_size * c + b * t * c, e, "stand-ins")
             .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
@@ -149,6 +182,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool) -> MemoryTally {
         moments.push(m);
         let mut m = Moment::new(format!("adding the root's gradient of micro-batch {k}"));
         carried(&mut m, mine);
+        recomputed(&mut m);
         sums(&mut m, &units[0], k + 1);
         m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), s.cfg.block_size * c + b * t * c, e, "stand-ins")
             .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added")
@@ -180,14 +214,15 @@ pub fn unsharded_peak_table(units: &[FsdpUnit], prefetch: bool) -> Table {
 
 // ANCHOR: traffic
 /// Bytes one rank sends per step, (all-gather, reduce-scatter), given the
-/// units' layouts. Each gather sends my shard to N − 1 ranks; every unit is
-/// gathered twice (a block for forward and backward, the root for the
-/// embedding and the head) and its gradient reduce-scattered once.
-pub fn bytes_per_step(units: &[ShardLayout]) -> (u64, u64) {
+/// units' layouts, the root first. Each gather sends my shard to N − 1
+/// ranks; every unit is gathered twice (a block for forward and backward,
+/// the root for the embedding and the head; a third time for the root when
+/// the head is recomputed) and its gradient reduce-scattered once.
+pub fn bytes_per_step(units: &[ShardLayout], head: HeadGrad) -> (u64, u64) {
     let (mut gather, mut scatter) = (0, 0);
-    for l in units {
+    for (i, l) in units.iter().enumerate() {
         let once = ((l.world - 1) * l.shard_len * 4) as u64;
-        gather += 2 * once;
+        gather += once * if i == 0 { head.root_gathers() } else { 2 } as u64;
         scatter += once;
     }
     (gather, scatter)

@@ -21,6 +21,8 @@ use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
 use fsdp_harness::session::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs};
+use step03_layerwise_shard::HeadGrad;
+use step03_layerwise_shard::units::FsdpUnit;
 use step04_optimizer_state_shard::OptimizerStateShard;
 use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally, stage2_tally};
 
@@ -44,6 +46,11 @@ struct Args {
     /// Stage 3: start the next unit's all-gather while computing this one.
     #[arg(long)]
     prefetch: bool,
+    /// Stage 3: where the tied wte's lm_head gradient waits for its
+    /// embedding part: keep it, (V, C) per micro-batch, or recompute the
+    /// head at the end from its input, (B, T, C). Default: the smaller.
+    #[arg(long, value_name = "keep|recompute")]
+    head_grad: Option<HeadGrad>,
     /// Stages 1 and 2: activation checkpointing, block by block (less
     /// memory, one more forward, the same bits). Stage 3 always recomputes.
     #[arg(long)]
@@ -62,6 +69,7 @@ fn main() -> ExitCode {
         // The stage does not change the arithmetic (a ZeRO-1 checkpoint resumes at ZeRO-3); the precision does.
         let (s, start) =
             Session::with_flags(world, lesson, args.train, &[("--precision", args.precision.to_string())])?;
+        let head_grad = args.head_grad.unwrap_or(HeadGrad::smaller(s.micro_batch_shape(), s.cfg.vocab_size));
         s.print_config(&[
             ("ZeRO stage", STAGES[args.stage as usize - 1].to_string()),
             (
@@ -70,6 +78,13 @@ fn main() -> ExitCode {
             ),
             ("gradient reduce dtype", "fp32, summed as a fixed pairwise tree".to_string()),
             ("prefetch", if args.prefetch && args.stage == 3 { "on".into() } else { "off".into() }),
+            (
+                "tied wte's gradient",
+                match args.stage {
+                    3 => head_grad.describe(s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size),
+                    _ => "formed whole in each micro-batch's backward".into(),
+                },
+            ),
             (
                 "activations",
                 match args.stage {
@@ -82,6 +97,7 @@ fn main() -> ExitCode {
         ]);
 
         let mut zero = OptimizerStateShard::new(&s, start, args.stage, args.precision, args.prefetch, args.recompute)?;
+        zero.fsdp.head_grad = head_grad; // stage 3 runs lesson 03's schedule: --head-grad applies
         world.reset_traffic(); // stages 1–2 gathered their resident copies: setup, not a step
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         for step in s.steps() {
@@ -107,16 +123,22 @@ fn main() -> ExitCode {
             sum_buffers: s.sum_groups.buffers(),
         };
         // Bytes on the wire: every gather moves the compute dtype, every
-        // reduce-scatter fp32; stage 3 gathers each unit twice, stages 1–2
-        // once (the new weights after the update).
-        let sent = |bytes: usize| -> u64 {
-            units.iter().map(|u| ((world.size() - 1) * u.layout().shard_len * bytes) as u64).sum()
+        // reduce-scatter fp32; stage 3 gathers each unit twice (the root a
+        // third time if the head is recomputed), stages 1–2 once (the new
+        // weights after the update).
+        let once = |u: &FsdpUnit, bytes: usize| ((world.size() - 1) * u.layout().shard_len * bytes) as u64;
+        let sent = |bytes: usize| -> u64 { units.iter().map(|u| once(u, bytes)).sum() };
+        let gathered = match args.stage {
+            3 => {
+                2 * sent(args.precision.bytes())
+                    + (head_grad.root_gathers() as u64 - 2) * once(&units[0], args.precision.bytes())
+            }
+            _ => sent(args.precision.bytes()),
         };
-        let gathers = if args.stage == 3 { 2 } else { 1 };
         let memory = match args.stage {
             1 => stage1_tally(&s, units, args.recompute),
             2 => stage2_tally(&s, units, args.recompute),
-            _ => step03_layerwise_shard::tally::tally(&s, units, zero.fsdp.prefetch), // lesson 03's schedule
+            _ => step03_layerwise_shard::tally::tally(&s, units, zero.fsdp.prefetch, head_grad), // lesson 03's schedule
         };
         let mut report = Report::new(&s, &run, memory);
         report
@@ -128,10 +150,11 @@ fn main() -> ExitCode {
                 args.precision,
                 side_by_side(shapes, 12.0).render()
             ))
-            .expect_traffic(Collective::AllGather, gathers * sent(args.precision.bytes()))
+            .expect_traffic(Collective::AllGather, gathered)
             .expect_traffic(Collective::ReduceScatter, s.sum_groups.per_rank() as u64 * sent(4))
             .json("stage", serde_json::json!(args.stage))
             .json("units", step03_layerwise_shard::units::units_json(units))
+            .json("head_grad", serde_json::json!((args.stage == 3).then(|| head_grad.name())))
             .json("precision", serde_json::json!(args.precision.to_string()))
             .json(
                 "side_by_side_bytes",

@@ -24,8 +24,8 @@ use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start};
-use step03_layerwise_shard::LayerwiseShard;
 use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units};
+use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 /// One rank's share of the training state at ZeRO stage `stage`.
 pub struct OptimizerStateShard {
@@ -51,7 +51,8 @@ impl OptimizerStateShard {
         let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype() };
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are read: the start's source goes
-        Ok(Self { stage, recompute, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3 } })
+        let head_grad = HeadGrad::smaller(s.micro_batch_shape(), s.cfg.vocab_size); // stage 3's
+        Ok(Self { stage, recompute, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3, head_grad } })
     }
     // ANCHOR_END: new
 
