@@ -125,6 +125,25 @@ bench *ARGS: build
         echo "copied into book/src/generated/ for the performance appendix"
     fi
 
+# PyTorch beside the lessons on this machine, interleaved (optional, not in `just test` or CI): installs torch 2.15.0
+# and numpy into .venv-torch (~5 GiB with its CUDA wheels; it runs on CPU), then pytorch/compare.py. The full run
+# (no flags) is what the book's performance appendix shows.
+compare-pytorch *ARGS: build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    venv=.venv-torch
+    if ! "$venv/bin/python3" -c "import torch, numpy" 2>/dev/null; then
+        command -v python3 >/dev/null || { echo "error: no python3: install it (apt-get install python3 python3-venv)" >&2; exit 2; }
+        python3 -m venv "$venv" || { rm -rf "$venv"; echo "error: python3 cannot make a venv: install python3-venv (apt-get install python3-venv)" >&2; exit 2; }
+        echo "installing torch 2.15.0 and numpy into $venv (about 5 GiB)"
+        "$venv/bin/pip" install --quiet torch==2.15.0 numpy
+    fi
+    "$venv/bin/python3" pytorch/compare.py --python "$venv/bin/python3" {{ARGS}}
+    if [ -z "{{ARGS}}" ]; then
+        cp out/compare-pytorch/compare.md book/src/generated/compare-pytorch.md
+        echo "copied into book/src/generated/ for the performance appendix"
+    fi
+
 # Does this machine compute the book's bits? Short reference runs, compared with the book's listing.
 check-bits: build
     #!/usr/bin/env bash

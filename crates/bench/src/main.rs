@@ -34,6 +34,10 @@ struct Args {
     /// Run nothing: redraw the two plots under `--out` from its bench.json.
     #[arg(long)]
     replot: bool,
+    /// Measure only this machine's matmul rate; print it and the CPU as JSON
+    /// (`just compare-pytorch` records them beside its figures).
+    #[arg(long)]
+    matmul_only: bool,
 }
 
 /// One lesson configuration: label, binary, extra flags. Each scheme that
@@ -103,6 +107,10 @@ fn run(a: &Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let peak = matmul_peak()?;
+    if a.matmul_only {
+        println!("{}", serde_json::json!({"cpu": cpu_model(), "matmul_peak_flops": peak}));
+        return Ok(());
+    }
     println!(
         "single-thread f32 matmul peak of this machine (the model's own kernel, 1024³, best of 5): {:.1} GFLOP/s\n",
         peak / 1e9

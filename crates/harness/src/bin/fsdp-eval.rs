@@ -27,6 +27,9 @@ struct Args {
     /// Batches of 8 windows to average over.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     batches: u32,
+    /// Print `{"mean_loss": …, "windows": …}` at full precision instead.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> ExitCode {
@@ -67,6 +70,10 @@ fn run(args: Args) -> anyhow::Result<()> {
         let logits = model.forward(&table, &params, &x)?;
         sum += fsdp_gpt::model::loss(&logits, &y)?.to_scalar::<f32>()? as f64 * chunk.len() as f64;
         count += chunk.len();
+    }
+    if args.json {
+        println!("{}", serde_json::json!({"mean_loss": sum / count as f64, "windows": count}));
+        return Ok(());
     }
     println!(
         "{}: mean loss {:.4} over {} windows of {t} characters of {source} ({} params)",

@@ -1,0 +1,180 @@
+"""`just compare-pytorch`: the lessons against PyTorch, side by side.
+
+On this machine, in one run, interleaved: each lesson and its PyTorch
+counterpart train the same GPT from the same initial weights on the same
+batches (tiny preset, one 8 × 64 micro-batch per rank per step), at 1, 2
+and 4 ranks, one compute thread per rank, both launched by mpirun. Each
+group is run --reps times, alternating the order. Prints per pair both
+medians, their ratio and both peak RSS, with the CPU and its measured
+matmul rate; writes compare.md and compare.json under --out.
+
+It checks the math too, and exits non-zero when a check fails:
+- PyTorch's mean loss on a lesson's trained weights equals fsdp-eval's to 1e-5;
+- PyTorch's DDP trained 20 steps from the same start on the same batches
+  follows lesson 01's losses to within 1e-4 (the same math, other kernels).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+GROUPS = [
+    # (this project's runs, PyTorch's runs): (label, binary, flags) / (label, mode)
+    ([("lesson 01 (data parallel)", "step01-data-parallel", [])], [("DDP", "ddp")]),
+    ([("lesson 02 (whole-model shard)", "step02-whole-model-shard", ["--no-check", "--no-plot"])], [("whole-model toy", "toy")]),
+    (
+        [
+            ("lesson 03 (FSDP, per block)", "step03-layerwise-shard", ["--no-plot"]),
+            ("ZeRO-3 (lesson 04, fp32)", "step04-optimizer-state-shard", ["--stage", "3", "--precision", "fp32"]),
+        ],
+        [("FSDP2 fully_shard per block", "fsdp2")],
+    ),
+]
+# PyTorch's own single-thread f32 matmul rate, measured as fsdp-bench measures the lessons' kernel: 1024³, best of 5.
+TORCH_MATMUL = """
+import time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+a @ b
+best = min((lambda t0: (a @ b, time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(5))
+print(2 * 1024**3 / best)
+"""
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+
+
+def sh(cmd, **kw):
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, stdin=subprocess.DEVNULL, **kw)
+    if r.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+def mpirun(n, *cmd):
+    return sh(["mpirun", "-q", "--oversubscribe", "-n", str(n), *cmd])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bin", default="target/release")
+    p.add_argument("--python", default=sys.executable, help="the Python with torch")
+    p.add_argument("--out", default="out/compare-pytorch")
+    p.add_argument("--ranks", default="1,2,4")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="measured steps, after the warm-up")
+    p.add_argument("--warmup", type=int, default=3)
+    a = p.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.makedirs(a.out, exist_ok=True)
+    machine = json.loads(sh([f"{a.bin}/fsdp-bench", "--matmul-only", "--out", f"{a.out}/bench"]))
+    torch_version = sh([a.python, "-c", "import torch; print(torch.__version__)"]).strip()
+    machine["torch_matmul_peak_flops"] = float(sh([a.python, "-c", TORCH_MATMUL]))
+    print(f"{machine['cpu']}: single-thread f32 matmul, 1024³: the lessons' kernel {machine['matmul_peak_flops'] / 1e9:.1f} "
+          f"GFLOP/s, PyTorch's {machine['torch_matmul_peak_flops'] / 1e9:.1f}; torch {torch_version}")
+    steps = a.warmup + a.steps
+    port = [29700]
+
+    def ours(n, binary, flags, out):
+        mpirun(n, f"{a.bin}/{binary}", "--steps", str(steps), "--micro-batches", str(n), "--log-every", str(steps), "--out", out, *flags)
+        with open(f"{out}/report.json") as f:
+            return json.load(f)
+
+    def theirs(n, mode, data, out):
+        port[0] += 1
+        mpirun(n, a.python, f"{here}/train.py", mode, "--data", data, "--json", f"{out}.json", "--port", str(port[0]))
+        with open(f"{out}.json") as f:
+            return json.load(f)
+
+    results = []
+    for n in [int(x) for x in a.ranks.split(",")]:
+        data = f"{a.out}/data-{n}"
+        sh([f"{a.bin}/fsdp-reference-data", "--out", data, "--steps", str(steps), "--micro-batches", str(n)])
+        with open(f"{data}/meta.json") as f:
+            tokens = json.load(f)["micro_batches"] * 8 * 64
+        for mine, torch_runs in GROUPS:
+            runs = [("ours", *r) for r in mine] + [("torch", *r) for r in torch_runs]
+            got = {r[1]: [] for r in runs}
+            for rep in range(a.reps):
+                for side, label, *what in runs if rep % 2 == 0 else runs[::-1]:
+                    out = f"{a.out}/runs/{n}-{what[0]}-{rep}"
+                    r = ours(n, what[0], what[1], out) if side == "ours" else theirs(n, what[0], data, out)
+                    got[label].append(r)
+                    print(f"  N = {n}, {label}, run {rep + 1}: median step {median_ms(r, a.warmup):.1f} ms", flush=True)
+            for label, *_ in mine:
+                for tlabel, _ in torch_runs:
+                    results.append(pair(n, tokens, a.warmup, label, got[label], tlabel, got[tlabel]))
+
+    # The math: PyTorch's loss on lesson 01's trained weights (1 rank) against fsdp-eval's …
+    w = f"{a.out}/runs/1-step01-data-parallel-0/weights.safetensors"
+    ev = json.loads(sh([f"{a.bin}/fsdp-eval", "--weights", w, "--json"]))
+    pt = json.loads(sh([a.python, f"{here}/train.py", "eval", "--weights", w, "--corpus", f"{a.out}/data-1/corpus.u32"]))
+    eval_diff = abs(ev["mean_loss"] - pt["mean_loss"])
+    # … and 20 steps of training: lesson 01 against DDP at 1 rank.
+    first = next(r for r in results if r["ranks"] == 1 and r["torch"] == "DDP")
+    train_diff = first["max_loss_diff_20"]
+    checks = [
+        (f"mean loss on lesson 01's trained weights, {ev['windows']} windows: fsdp-eval {ev['mean_loss']:.7f}, "
+         f"PyTorch {pt['mean_loss']:.7f}, |difference| {eval_diff:.1e} (bound 1e-5)", eval_diff < 1e-5),
+        (f"20 steps from the same start on the same batches, 1 rank: largest |loss difference| lesson 01 vs DDP "
+         f"{train_diff:.1e} (bound 1e-4)", train_diff < 1e-4),
+    ]
+    md = render(machine, torch_version, a, results, checks)
+    with open(f"{a.out}/compare.md", "w") as f:
+        f.write(md)
+    with open(f"{a.out}/compare.json", "w") as f:
+        json.dump({"machine": machine, "torch": torch_version, "pairs": results,
+                   "checks": [{"what": c, "ok": ok} for c, ok in checks]}, f, indent=1)
+    print()
+    print(md)
+    if not all(ok for _, ok in checks):
+        sys.exit("error: a math check failed (above)")
+
+
+def median_ms(r, warmup):
+    return statistics.median(r["step_seconds"][warmup:]) * 1e3
+
+
+def pair(n, tokens, warmup, label, ours, tlabel, theirs):
+    """One pair at one world size: the median over runs of each run's median step."""
+    m_ours = statistics.median(median_ms(r, warmup) for r in ours)
+    m_theirs = statistics.median(median_ms(r, warmup) for r in theirs)
+    rss = lambda runs: max(max(r["peak_rss_bytes"]) for r in runs) / 2**20  # noqa: E731
+    diffs = [abs(x - y) for x, y in zip(ours[0]["losses"], theirs[0]["losses"])]
+    return {
+        "ranks": n, "ours": label, "torch": tlabel,
+        "ours_ms": m_ours, "torch_ms": m_theirs,
+        "ours_ms_runs": [median_ms(r, warmup) for r in ours], "torch_ms_runs": [median_ms(r, warmup) for r in theirs],
+        "ours_tokens_per_s": tokens / m_ours * 1e3, "torch_tokens_per_s": tokens / m_theirs * 1e3,
+        "ratio": m_theirs / m_ours,
+        "ours_rss_mib": rss(ours), "torch_rss_mib": rss(theirs),
+        "max_loss_diff": max(diffs), "max_loss_diff_20": max(diffs[:20]),
+    }
+
+
+def render(machine, torch_version, a, results, checks):
+    lines = [
+        f"Measured by `just compare-pytorch` on {machine['cpu']} (single-thread f32 matmul at 1024³, best of 5: "
+        f"{machine['matmul_peak_flops'] / 1e9:.1f} GFLOP/s through the lessons' kernel, "
+        f"{machine['torch_matmul_peak_flops'] / 1e9:.1f} through PyTorch's), PyTorch {torch_version} on CPU over gloo; "
+        f"tiny preset, one 8 × 64-token micro-batch per rank per step, one compute thread per rank; median step of "
+        f"{a.steps} after {a.warmup} warm-up steps, the median of {a.reps} interleaved runs per side (each run's median in "
+        "brackets). At 4 ranks the two cores are oversubscribed.",
+        "",
+        "| ranks | this project | tokens/s | PyTorch | tokens/s | speed ratio | peak RSS / rank (MiB) | largest loss difference |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        runs = lambda ms: ", ".join(f"{x:.0f}" for x in ms)  # noqa: E731
+        lines.append(
+            f"| {r['ranks']} | {r['ours']} | {r['ours_tokens_per_s']:,.0f} ({runs(r['ours_ms_runs'])} ms) "
+            f"| {r['torch']} | {r['torch_tokens_per_s']:,.0f} ({runs(r['torch_ms_runs'])} ms) "
+            f"| {r['ratio']:.2f}× | {r['ours_rss_mib']:.0f} vs {r['torch_rss_mib']:.0f} | {r['max_loss_diff']:.1e} |"
+        )
+    lines += ["", "Speed ratio: PyTorch's median step time over this project's (above 1: this project is faster).", ""]
+    lines += [f"- {'✓' if ok else '✗'} {c}" for c, ok in checks]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""PyTorch's ways to train the lessons' GPT, one thread per rank, over gloo.
+
+    mpirun -n 2 python3 pytorch/train.py ddp   --data out/ref --json out/ddp.json
+    mpirun -n 2 python3 pytorch/train.py fsdp2 --data out/ref --json out/fsdp2.json
+    mpirun -n 2 python3 pytorch/train.py toy   --data out/ref --json out/toy.json
+    python3 pytorch/train.py eval --weights w.safetensors --corpus out/ref/corpus.u32
+
+Launched by mpirun like the lessons (the rank and world size come from
+Open MPI's environment); started from `fsdp-reference-data`'s initial
+weights, on its batches: rank r takes micro-batches r·M/N … (r+1)·M/N − 1
+of each step, and the gradient is the mean over all M, as in the lessons.
+
+- ddp:   `DistributedDataParallel`, gradients all-reduced (no_sync between
+         a rank's micro-batches);
+- fsdp2: `fully_shard` on every block, then on the root (FSDP2's usual
+         wrapping; the root is not resharded after forward);
+- toy:   the classic whole-model shard (lesson 02's scheme, the seed toy's):
+         each rank keeps 1/N of a flat fp32 vector and its AdamW state,
+         all-gathers the whole model every step, reduces the gradient and
+         updates its shard. gloo has no reduce-scatter, so the toy
+         all-reduces and keeps its slice.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import gpt  # noqa: E402
+
+torch.set_num_threads(1)
+torch.set_num_interop_threads(1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["ddp", "fsdp2", "toy", "eval"])
+    p.add_argument("--data", help="a folder fsdp-reference-data wrote")
+    p.add_argument("--json", help="rank 0 writes the run's losses, step times and peak RSS here")
+    p.add_argument("--port", type=int, default=29500)
+    p.add_argument("--weights", help="eval: a weights file")
+    p.add_argument("--corpus", help="eval: token ids (corpus.u32)")
+    p.add_argument("--batches", type=int, default=8, help="eval: batches of 8 windows, as fsdp-eval")
+    a = p.parse_args()
+    if a.mode == "eval":
+        return evaluate(a)
+
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
+    with open(f"{a.data}/meta.json") as f:
+        meta = json.load(f)
+    data = gpt.batches(a.data, meta)
+    m = meta["micro_batches"]
+    assert m % world == 0, f"{m} micro-batches do not divide among {world} ranks"
+    mine = range(rank * m // world, (rank + 1) * m // world)
+    model = gpt.load(f"{a.data}/init.safetensors")
+    adamw = dict(lr=meta["lr"], betas=(meta["beta1"], meta["beta2"]), eps=meta["eps"], weight_decay=meta["weight_decay"])
+    step_fn = {"ddp": ddp, "fsdp2": fsdp2, "toy": toy}[a.mode](model, adamw, world, rank)
+
+    losses, seconds = [], []
+    for s in range(meta["steps"]):
+        t0 = time.perf_counter()
+        loss_sum = step_fn([data[s, k] for k in mine], m // world)
+        seconds.append(time.perf_counter() - t0)
+        total = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(total)  # outside the clock, like the lessons' log line
+        losses.append(total.item() / m)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
+    all_rss = [torch.zeros_like(rss) for _ in range(world)]
+    dist.all_gather(all_rss, rss)
+    if rank == 0 and a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                {
+                    "mode": a.mode,
+                    "world_size": world,
+                    "torch": torch.__version__,
+                    "losses": losses,
+                    "step_seconds": seconds,
+                    "median_step_seconds": statistics.median(seconds),
+                    "peak_rss_bytes": [int(r.item()) for r in all_rss],
+                },
+                f,
+            )
+    dist.destroy_process_group()
+    # DDP's and FSDP2's gloo worker threads abort the interpreter's normal
+    # exit ("terminate called without an active exception"): leave at once.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def micro_batch_losses(model, micro, per_rank, sync=lambda last: nullcontext()):
+    """Forward and backward over my micro-batches, each loss scaled by 1/(M/N):
+    with the ranks' average, the gradient is the mean over all M. `sync(last)`
+    is the context each backward runs in (gradient sync on the last only)."""
+    total = 0.0
+    for i, b in enumerate(micro):
+        with sync(i == len(micro) - 1):
+            loss = model(b[0], b[1])
+            (loss / per_rank).backward()
+        total += loss.item()
+    return total
+
+
+def ddp(model, adamw, world, rank):
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = DistributedDataParallel(model)  # averages gradients over the ranks
+    opt = torch.optim.AdamW(net.parameters(), **adamw)
+
+    def step(micro, per_rank):
+        opt.zero_grad(set_to_none=True)
+        total = micro_batch_losses(net, micro, per_rank, lambda last: nullcontext() if last else net.no_sync())
+        opt.step()
+        return total
+
+    return step
+
+
+def fsdp2(model, adamw, world, rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root: embeddings, ln_f, the tied head
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+
+    @contextmanager
+    def sync(last):
+        model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only
+        yield
+
+    def step(micro, per_rank):
+        opt.zero_grad(set_to_none=True)
+        total = micro_batch_losses(model, micro, per_rank, sync)
+        opt.step()
+        return total
+
+    return step
+
+
+def toy(model, adamw, world, rank):
+    params = list(model.parameters())  # the tied weight once
+    numel = sum(q.numel() for q in params)
+    shard_len = -(-numel // world)  # padded to a multiple of N
+    padded = shard_len * world
+    flat = torch.zeros(padded)
+    flat[:numel] = torch.cat([q.detach().reshape(-1) for q in params])
+    shard = torch.nn.Parameter(flat[rank * shard_len : (rank + 1) * shard_len].clone())  # my fp32 master
+    opt = torch.optim.AdamW([shard], **adamw)
+    gathered = [torch.empty(shard_len) for _ in range(world)]
+
+    def step(micro, per_rank):
+        # 1. all-gather the whole model into the module's parameters
+        dist.all_gather(gathered, shard.detach())
+        full = torch.cat(gathered)
+        at = 0
+        with torch.no_grad():
+            for q in params:
+                q.copy_(full[at : at + q.numel()].view_as(q))
+                q.grad = None
+                at += q.numel()
+        # 2. forward/backward on my micro-batches
+        total = micro_batch_losses(model, micro, per_rank)
+        # 3. reduce the gradient (all-reduce: gloo has no reduce-scatter), keep my slice
+        g = torch.zeros(padded)
+        g[:numel] = torch.cat([q.grad.reshape(-1) for q in params])
+        dist.all_reduce(g)
+        shard.grad = g[rank * shard_len : (rank + 1) * shard_len] / world
+        # 4. AdamW on my shard only
+        opt.step()
+        return total
+
+    return step
+
+
+def evaluate(a):
+    """fsdp-eval's loss, computed by PyTorch: consecutive windows of the
+    block size, in batches of 8, the mean over windows."""
+    model = gpt.load(a.weights)
+    t = model.cfg["block_size"]
+    tokens = torch.from_numpy(np.fromfile(a.corpus, dtype="<u4").astype(np.int64))
+    windows = (tokens.numel() - 1) // t
+    n = min(a.batches * 8, windows)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, n, 8):
+            idx = list(range(start, min(start + 8, n)))
+            x = torch.stack([tokens[i * t : i * t + t] for i in idx])
+            y = torch.stack([tokens[i * t + 1 : i * t + t + 1] for i in idx])
+            total += model(x, y).item() * len(idx)
+            count += len(idx)
+    print(json.dumps({"mean_loss": total / count, "windows": count}))
+
+
+if __name__ == "__main__":
+    main()
