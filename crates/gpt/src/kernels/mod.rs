@@ -11,6 +11,22 @@
 //! | kernel | what it computes | its one order |
 //! |---|---|---|
 //! | [`matmul`] | `a @ b`, batched, any strides; f32, bf16 (widened), f64 | each output element is one chain of fused multiply-adds over `k = 0, 1, …, K−1`, starting from 0 |
+//! | [`layer_norm`] | LayerNorm over the last dimension, forward and backward one pass each | each row's sums over `c = 0, 1, …, C−1`; `dw`, `db` over the rows in order |
+//! | [`linear`] | `x · wᵀ + b`, one op | [`matmul`]'s chains, [`bias_add`]'s row sums: their bits |
+//! | [`bias_add`] | a linear layer's `x + b`; its backward sums the gradient over the rows | `db` over the rows in order |
+//! | [`gelu`] | erf GELU, its backward in one pass | element-wise (`libm`'s `erf`) |
+//! | [`attention`] | causal self-attention from `c_attn`'s output to the merged heads, one op | [`matmul`]'s chains and [`causal_softmax`]'s rows, rounded where they round: their bits |
+//! | [`causal_softmax`] | `softmax(scale · att + causal mask)` in one pass, and its backward in one | each row's max and sums over the visible keys `k = 0, 1, …, i`, in order |
+mod attention;
+mod layer_norm;
+mod linear;
 mod matmul;
+mod pointwise;
+mod softmax;
 
+pub use attention::attention;
+pub use layer_norm::layer_norm;
+pub use linear::linear;
 pub use matmul::matmul;
+pub use pointwise::{bias_add, gelu};
+pub use softmax::causal_softmax;

@@ -49,7 +49,12 @@ fn run(args: Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create --out folder {}", out.display()))?;
 
     let table = ParamTable::new(&cfg);
-    fsdp_gpt::weights_file::save(&out.join("init.safetensors"), &cfg, &corpus.vocab_string(), &table.init_flat(a.seed))?;
+    fsdp_gpt::weights_file::save(
+        &out.join("init.safetensors"),
+        &cfg,
+        &corpus.vocab_string(),
+        &table.init_flat(a.seed),
+    )?;
 
     let mut batches = Vec::with_capacity(a.steps as usize * sampler.tokens_per_step() * 2 * 4);
     for step in 1..=a.steps {

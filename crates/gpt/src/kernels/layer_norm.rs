@@ -1,0 +1,320 @@
+//! LayerNorm over the last dimension, fused: one pass forward, one back.
+//!
+//! Composed from candle's ops, a LayerNorm is ten tensors the graph keeps
+//! (mean, centred, squared, variance, std, normalised, scaled, shifted …)
+//! and a backward through each, whose gradients for `w` and `b` are sums
+//! over every row done by candle's generic strided reduction. Here the
+//! forward keeps its output alone (the input is its producer's), and the
+//! backward recomputes each row's mean and 1/σ from it:
+//!
+//! ```text
+//! forward   x̂ = (x − μ) / √(σ² + ε),   y = x̂ · w + b            per row of C
+//! backward  db = Σ_rows g,   dw = Σ_rows g · x̂,
+//!           dx = (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)) / √(σ² + ε)      with ĝ = g · w
+//! ```
+//!
+//! Each row's sums run over `c = 0, 1, …, C−1` in order, and `dw`, `db`
+//! add the rows in order: the same bits on every machine. bf16 rows are
+//! widened to f32 and each result rounded once; f32 and f64 compute in
+//! their own precision.
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
+use half::bf16;
+
+/// `(x − mean) / √(var + eps) · w + b` over the last dimension of `x`
+/// (…, C), with `w` and `b` of shape (C). Differentiable in all three.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    x.apply_op3(w, b, LayerNorm { eps })
+}
+
+struct LayerNorm {
+    eps: f64,
+}
+
+macro_rules! kernels {
+    ($fwd:ident, $bwd:ident, $t:ty) => {
+        /// One row: x̂ into `xhat`, returns 1/σ.
+        fn $fwd(x: &[$t], xhat: &mut [$t], eps: $t) -> $t {
+            let n = x.len() as $t;
+            let mut sum: $t = 0.0;
+            for &v in x {
+                sum += v;
+            }
+            let mean = sum / n;
+            let mut sq: $t = 0.0;
+            for &v in x {
+                sq += (v - mean) * (v - mean);
+            }
+            let rstd = 1.0 / (sq / n + eps).sqrt();
+            for (h, &v) in xhat.iter_mut().zip(x) {
+                *h = (v - mean) * rstd;
+            }
+            rstd
+        }
+
+        /// One row's input gradient into `dx`, its share of `dw` and `db`
+        /// added on; `xhat` is the row's x̂.
+        fn $bwd(xhat: &[$t], rstd: $t, g: &[$t], w: &[$t], dx: &mut [$t], dw: &mut [$t], db: &mut [$t]) {
+            let n = xhat.len() as $t;
+            let (mut sum_g, mut sum_gx): ($t, $t) = (0.0, 0.0);
+            for ((&h, &g), &w) in xhat.iter().zip(g).zip(w) {
+                sum_g += g * w;
+                sum_gx += g * w * h;
+            }
+            let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
+            for c in 0..xhat.len() {
+                dx[c] = (g[c] * w[c] - mean_g - xhat[c] * mean_gx) * rstd;
+                dw[c] += g[c] * xhat[c];
+                db[c] += g[c];
+            }
+        }
+    };
+}
+kernels!(row_f32, row_backward_f32, f32);
+kernels!(row_f64, row_backward_f64, f64);
+
+/// A contiguous tensor's values as a slice (from its start offset).
+fn values<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
+    let Some((a, b)) = l.contiguous_offsets() else { bail!("layer_norm needs a contiguous {what}") };
+    Ok(&s.as_slice::<T>()?[a..b])
+}
+
+/// The shared forward: per row, x̂ (scaled and shifted into `y`), in f32 or f64.
+macro_rules! forward {
+    ($x:expr, $w:expr, $b:expr, $c:expr, $eps:expr, $row:ident, $t:ty) => {{
+        let mut y = vec![0 as $t; $x.len()];
+        for (x, y) in $x.chunks_exact($c).zip(y.chunks_exact_mut($c)) {
+            $row(x, y, $eps);
+            for ((y, &w), &b) in y.iter_mut().zip($w).zip($b) {
+                *y = *y * w + b;
+            }
+        }
+        y
+    }};
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let c = *l1.dims().last().unwrap_or(&0);
+        if l2.dims() != [c] || l3.dims() != [c] {
+            bail!("layer_norm: x {:?} needs w and b of ({c}), got {:?} and {:?}", l1.dims(), l2.dims(), l3.dims());
+        }
+        let out = match s1.dtype() {
+            DType::F32 => {
+                let (x, w, b) = (values::<f32>(s1, l1, "x")?, values::<f32>(s2, l2, "w")?, values::<f32>(s3, l3, "b")?);
+                CpuStorage::F32(forward!(x, w, b, c, self.eps as f32, row_f32, f32))
+            }
+            DType::F64 => {
+                let (x, w, b) = (values::<f64>(s1, l1, "x")?, values::<f64>(s2, l2, "w")?, values::<f64>(s3, l3, "b")?);
+                CpuStorage::F64(forward!(x, w, b, c, self.eps, row_f64, f64))
+            }
+            DType::BF16 => {
+                let (x, w, b) =
+                    (values::<bf16>(s1, l1, "x")?, values::<bf16>(s2, l2, "w")?, values::<bf16>(s3, l3, "b")?);
+                let (w, b): (Vec<f32>, Vec<f32>) =
+                    (w.iter().map(|v| v.to_f32()).collect(), b.iter().map(|v| v.to_f32()).collect());
+                let (mut wide, mut h) = (vec![0f32; c], vec![0f32; c]); // one row at a time
+                let mut y = vec![bf16::ZERO; x.len()];
+                for (x, y) in x.chunks_exact(c).zip(y.chunks_exact_mut(c)) {
+                    wide.iter_mut().zip(x).for_each(|(o, v)| *o = v.to_f32());
+                    row_f32(&wide, &mut h, self.eps as f32);
+                    for (((y, &h), &w), &b) in y.iter_mut().zip(&h).zip(&w).zip(&b) {
+                        *y = bf16::from_f32(h * w + b);
+                    }
+                }
+                CpuStorage::BF16(y)
+            }
+            d => bail!("layer_norm supports f32, bf16 and f64, got {d:?}"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (x, grad) = (x.contiguous()?, grad.contiguous()?);
+        let (sx, lx) = x.storage_and_layout();
+        let (sw, lw) = w.storage_and_layout();
+        let (sg, lg) = grad.storage_and_layout();
+        let (candle_core::Storage::Cpu(sx), candle_core::Storage::Cpu(sw), candle_core::Storage::Cpu(sg)) =
+            (&*sx, &*sw, &*sg)
+        else {
+            bail!("layer_norm runs on the CPU")
+        };
+        let c = *x.dims().last().unwrap_or(&0);
+        let dev = x.device();
+        let (dx, dw, db) = match x.dtype() {
+            DType::F32 => {
+                let (x, w, g) =
+                    (values::<f32>(sx, lx, "x")?, values::<f32>(sw, lw, "w")?, values::<f32>(sg, lg, "grad")?);
+                let (dx, dw, db) = backward_rows(x, w, g, c, self.eps as f32, row_f32, row_backward_f32);
+                (
+                    Tensor::from_vec(dx, lx.shape().clone(), dev)?,
+                    Tensor::from_vec(dw, c, dev)?,
+                    Tensor::from_vec(db, c, dev)?,
+                )
+            }
+            DType::F64 => {
+                let (x, w, g) =
+                    (values::<f64>(sx, lx, "x")?, values::<f64>(sw, lw, "w")?, values::<f64>(sg, lg, "grad")?);
+                let (dx, dw, db) = backward_rows(x, w, g, c, self.eps, row_f64, row_backward_f64);
+                (
+                    Tensor::from_vec(dx, lx.shape().clone(), dev)?,
+                    Tensor::from_vec(dw, c, dev)?,
+                    Tensor::from_vec(db, c, dev)?,
+                )
+            }
+            DType::BF16 => {
+                let (x, w, g) =
+                    (values::<bf16>(sx, lx, "x")?, values::<bf16>(sw, lw, "w")?, values::<bf16>(sg, lg, "grad")?);
+                let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+                let (mut wx, mut wg, mut h, mut d) = (vec![0f32; c], vec![0f32; c], vec![0f32; c], vec![0f32; c]);
+                let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
+                let mut dx = vec![bf16::ZERO; x.len()];
+                for ((x, g), dx) in x.chunks_exact(c).zip(g.chunks_exact(c)).zip(dx.chunks_exact_mut(c)) {
+                    wx.iter_mut().zip(x).for_each(|(o, v)| *o = v.to_f32());
+                    wg.iter_mut().zip(g).for_each(|(o, v)| *o = v.to_f32());
+                    let rstd = row_f32(&wx, &mut h, self.eps as f32);
+                    row_backward_f32(&h, rstd, &wg, &w, &mut d, &mut dw, &mut db);
+                    dx.iter_mut().zip(&d).for_each(|(o, &v)| *o = bf16::from_f32(v));
+                }
+                let round = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+                (
+                    Tensor::from_vec(dx, lx.shape().clone(), dev)?,
+                    Tensor::from_vec(round(dw), c, dev)?,
+                    Tensor::from_vec(round(db), c, dev)?,
+                )
+            }
+            d => bail!("layer_norm supports f32, bf16 and f64, got {d:?}"),
+        };
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// Every row's backward, in row order; `dw` and `db` sum the rows in that order.
+#[allow(clippy::type_complexity)]
+fn backward_rows<T: Copy + Default>(
+    x: &[T],
+    w: &[T],
+    g: &[T],
+    c: usize,
+    eps: T,
+    row: fn(&[T], &mut [T], T) -> T,
+    row_backward: fn(&[T], T, &[T], &[T], &mut [T], &mut [T], &mut [T]),
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let (mut dx, mut dw, mut db) = (vec![T::default(); x.len()], vec![T::default(); c], vec![T::default(); c]);
+    let mut h = vec![T::default(); c];
+    for ((x, g), dx) in x.chunks_exact(c).zip(g.chunks_exact(c)).zip(dx.chunks_exact_mut(c)) {
+        let rstd = row(x, &mut h, eps);
+        row_backward(&h, rstd, g, w, dx, &mut dw, &mut db);
+    }
+    (dx, dw, db)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{D, Device, Var};
+
+    fn random(shape: &[usize], seed: u64) -> Tensor {
+        let mut rng = crate::rng::SplitMix64::new(seed);
+        let n = shape.iter().product();
+        Tensor::from_vec((0..n).map(|_| rng.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
+    }
+
+    /// LayerNorm composed from candle's ops, as the model had it.
+    fn composite(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+        let mean = x.mean_keepdim(D::Minus1).unwrap();
+        let xc = x.broadcast_sub(&mean).unwrap();
+        let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        let xn = xc.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap()).unwrap();
+        xn.broadcast_mul(w).unwrap().broadcast_add(b).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+        d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+    }
+
+    /// The fused op computes what the composite computes, and so do all
+    /// three gradients: in f64 to 1e-12, in f32 to 1e-5.
+    #[test]
+    fn agrees_with_the_composite_ops_forward_and_backward() {
+        let (x, w, b, g) = (random(&[3, 5, 16], 1), random(&[16], 2), random(&[16], 3), random(&[3, 5, 16], 4));
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            let vars = |_: ()| -> Vec<Var> {
+                [&x, &w, &b].iter().map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()).collect()
+            };
+            let (f, c) = (vars(()), vars(()));
+            let g = g.to_dtype(dtype).unwrap();
+            let yf = layer_norm(f[0].as_tensor(), f[1].as_tensor(), f[2].as_tensor(), 1e-5).unwrap();
+            let yc = composite(c[0].as_tensor(), c[1].as_tensor(), c[2].as_tensor());
+            assert!(max_diff(&yf, &yc) < tol, "{dtype:?} forward: {}", max_diff(&yf, &yc));
+            let gf = (&yf * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let gc = (&yc * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            for (k, name) in ["x", "w", "b"].iter().enumerate() {
+                let (a, e) = (gf.get(f[k].as_tensor()).unwrap(), gc.get(c[k].as_tensor()).unwrap());
+                assert!(max_diff(a, e) < tol, "{dtype:?} d{name}: {}", max_diff(a, e));
+            }
+        }
+    }
+
+    /// Every gradient against central finite differences of `sum(y · g)`, in f64.
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (x, w, b, g) = (random(&[2, 3, 6], 5), random(&[6], 6), random(&[6], 7), random(&[2, 3, 6], 8));
+        let f = |x: &Tensor, w: &Tensor, b: &Tensor| {
+            (layer_norm(x, w, b, 1e-5).unwrap() * &g).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+        };
+        let v: Vec<Var> = [&x, &w, &b].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let y = layer_norm(v[0].as_tensor(), v[1].as_tensor(), v[2].as_tensor(), 1e-5).unwrap();
+        let store = (y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let h = 1e-6;
+        for k in 0..3 {
+            let analytic: Vec<f64> = store.get(v[k].as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let base: Vec<Tensor> = vec![x.clone(), w.clone(), b.clone()];
+            for (e, &a) in analytic.iter().enumerate() {
+                let at = |d: f64| {
+                    let mut args = base.clone();
+                    let mut p: Vec<f64> = args[k].flatten_all().unwrap().to_vec1().unwrap();
+                    p[e] += d;
+                    args[k] = Tensor::from_vec(p, base[k].shape(), &Device::Cpu).unwrap();
+                    f(&args[0], &args[1], &args[2])
+                };
+                let numeric = (at(h) - at(-h)) / (2.0 * h);
+                assert!((a - numeric).abs() < 1e-6, "arg {k} element {e}: analytic {a}, numeric {numeric}");
+            }
+        }
+    }
+
+    /// bf16 is widened, computed in f32 and rounded once.
+    #[test]
+    fn bf16_is_the_f32_result_rounded_once() {
+        let (x, w, b) = (random(&[4, 32], 9), random(&[32], 10), random(&[32], 11));
+        let to = |t: &Tensor, d| t.to_dtype(d).unwrap();
+        let (x, w, b) = (to(&x, DType::BF16), to(&w, DType::BF16), to(&b, DType::BF16));
+        let wide = layer_norm(&to(&x, DType::F32), &to(&w, DType::F32), &to(&b, DType::F32), 1e-5).unwrap();
+        let out = layer_norm(&x, &w, &b, 1e-5).unwrap();
+        let bits = |t: &Tensor| {
+            t.flatten_all().unwrap().to_vec1::<bf16>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&out), bits(&to(&wide, DType::BF16)));
+    }
+}
