@@ -102,3 +102,54 @@ fn the_replica_check_reports_only_what_it_checked() {
         mpirun(PKG, 2, &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--check-every", "2"], "l01-check-2");
     assert!(ok_stdout(&o).contains("replica check: 2 checks, every rank's weights bitwise identical"));
 }
+
+/// What `just compare-pytorch` hands PyTorch: the seed's initial weights (a
+/// weights file `fsdp-eval` reads: an untrained model's loss is about
+/// ln 65), every step's micro-batches (targets are the inputs shifted by
+/// one), the corpus and the settings — and `fsdp-eval --json` at full precision.
+#[test]
+fn reference_data_holds_what_an_outside_trainer_needs() {
+    let out = out_dir("l01-reference-data");
+    let o = std::process::Command::new(binary("fsdp-reference-data"))
+        .args(["--steps", "3", "--micro-batches", "2", "--batch-size", "2", "--seq-len", "16", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    ok_stdout(&o);
+    let meta: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(
+        (&meta["params"], &meta["micro_batches"], &meta["steps"], &meta["seq_len"], &meta["vocab_size"]),
+        (
+            &serde_json::json!(809_856),
+            &serde_json::json!(2),
+            &serde_json::json!(3),
+            &serde_json::json!(16),
+            &serde_json::json!(65)
+        )
+    );
+    assert_eq!((meta["lr"].as_f64(), meta["weight_decay"].as_f64()), (Some(0.001f32 as f64), Some(0.01f32 as f64)));
+    // (steps, M, 2, B, T) little-endian u32
+    let ids: Vec<u32> = std::fs::read(out.join("batches.u32"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(ids.len(), 3 * 2 * 2 * 2 * 16);
+    for mb in ids.chunks_exact(2 * 2 * 16) {
+        let (inputs, targets) = mb.split_at(2 * 16);
+        for (x, y) in inputs.chunks_exact(16).zip(targets.chunks_exact(16)) {
+            assert_eq!(x[1..], y[..15], "targets are the inputs shifted by one");
+        }
+        assert!(mb.iter().all(|&t| t < 65));
+    }
+    assert_eq!(std::fs::metadata(out.join("corpus.u32")).unwrap().len(), 4 * 262_200);
+    let o = std::process::Command::new(binary("fsdp-eval"))
+        .args(["--json", "--batches", "2", "--weights"])
+        .arg(out.join("init.safetensors"))
+        .output()
+        .unwrap();
+    let r: serde_json::Value = serde_json::from_str(&ok_stdout(&o)).unwrap();
+    assert_eq!(r["windows"], 16);
+    let loss = r["mean_loss"].as_f64().unwrap();
+    assert!((loss - 65f64.ln()).abs() < 0.1, "an untrained model's loss {loss}, ln 65 = {}", 65f64.ln());
+}

@@ -102,7 +102,8 @@ fn run(a: &Args) -> anyhow::Result<()> {
         let rows: Vec<Row> =
             j["runs"].as_array().map(|runs| runs.iter().filter_map(row_from_json).collect()).unwrap_or_default();
         anyhow::ensure!(!rows.is_empty(), "no runs in {}/bench.json", a.out.display());
-        plots(&rows, &a.out)?;
+        let cpu = j["cpu"].as_str().unwrap_or("unknown CPU");
+        plots(&rows, &a.out, &machine(cpu, j["matmul_peak_flops"].as_f64().unwrap_or(0.0)))?;
         println!("redrew {0}/tokens_per_second.svg and {0}/memory_per_rank.svg", a.out.display());
         return Ok(());
     }
@@ -174,7 +175,7 @@ fn run(a: &Args) -> anyhow::Result<()> {
     let md = table(&rows, peak);
     std::fs::write(a.out.join("bench.md"), &md)?;
     println!("\n{md}");
-    plots(&rows, &a.out)?;
+    plots(&rows, &a.out, &machine(&cpu_model(), peak))?;
     let j = json!({
         "cpu": cpu_model(),
         "matmul_peak_flops": peak,
@@ -324,7 +325,13 @@ fn thousands(n: u64) -> String {
     fsdp_harness::table::thousands(n)
 }
 
-fn plots(rows: &[Row], out: &Path) -> anyhow::Result<()> {
+/// The machine a figure was measured on, for its axis label.
+fn machine(cpu: &str, matmul_peak: f64) -> String {
+    format!("ranks · {cpu}, single-thread matmul {:.1} GFLOP/s", matmul_peak / 1e9)
+}
+
+/// The two figures; `x_label` names the machine (figures from two machines are not comparable).
+fn plots(rows: &[Row], out: &Path, x_label: &str) -> anyhow::Result<()> {
     let colors =
         ["#1f77b4", "#1f77b4", "#ff7f0e", "#ff7f0e", "#2ca02c", "#d62728", "#d62728", "#9467bd", "#9467bd", "#8c564b"];
     let presets: Vec<String> = rows.iter().map(|r| r.preset.clone()).fold(vec![], |mut v, p| {
@@ -335,7 +342,7 @@ fn plots(rows: &[Row], out: &Path) -> anyhow::Result<()> {
     });
     let chart = |title: &str, y: &str, pick: &dyn Fn(&Row) -> f64, preset: &str| Chart {
         title: format!("{title} · {preset}"),
-        x_label: "ranks".into(),
+        x_label: x_label.into(),
         y_label: y.into(),
         series: LESSONS
             .iter()
