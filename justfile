@@ -132,7 +132,7 @@ compare-pytorch *ARGS: build
     #!/usr/bin/env bash
     set -euo pipefail
     venv=.venv-torch
-    if ! "$venv/bin/python3" -c "import torch, numpy" 2>/dev/null; then
+    if ! "$venv/bin/python3" -c "import torch, numpy; assert torch.__version__.startswith('2.15.0')" 2>/dev/null; then
         command -v python3 >/dev/null || { echo "error: no python3: install it (apt-get install python3 python3-venv)" >&2; exit 2; }
         python3 -m venv "$venv" || { rm -rf "$venv"; echo "error: python3 cannot make a venv: install python3-venv (apt-get install python3-venv)" >&2; exit 2; }
         echo "installing torch 2.15.0 and numpy into $venv (about 5 GiB)"
@@ -140,8 +140,9 @@ compare-pytorch *ARGS: build
     fi
     status=0
     "$venv/bin/python3" pytorch/compare.py --python "$venv/bin/python3" {{ARGS}} || status=$?
-    # The full run goes into the book, its checks' verdicts (✓ or ✗) with it.
-    if [ -z "{{ARGS}}" ] && [ -f out/compare-pytorch/compare.md ]; then
+    # The full run goes into the book, its checks' verdicts (✓ or ✗) with it:
+    # status 0 (all checks pass) or 3 (a check fails); not after a failed run.
+    if [ -z "{{ARGS}}" ] && { [ $status -eq 0 ] || [ $status -eq 3 ]; } && [ -f out/compare-pytorch/compare.md ]; then
         cp out/compare-pytorch/compare.md book/src/generated/compare-pytorch.md
         echo "copied into book/src/generated/ for the performance appendix"
     fi

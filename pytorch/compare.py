@@ -8,7 +8,11 @@ group is run --reps times, alternating the order. Prints per pair both
 medians, their ratio and both peak RSS, with the CPU and its measured
 matmul rate; writes compare.md and compare.json under --out.
 
-It checks the math too, and exits non-zero when a check fails:
+It checks the math too, and exits with status 3 when a check fails (1
+when a run fails):
+- every PyTorch run's step-1 mean gradient has the norm the project's model
+  computes in one process (to 1e-4, relative): the same gradient, the mean
+  over all M micro-batches, at every world size and in every mode;
 - PyTorch's mean loss on a lesson's trained weights equals fsdp-eval's to 1e-5;
 - PyTorch's DDP trained 20 steps from the same start on the same batches
   follows lesson 01's losses to within 1e-4 (the same math, other kernels).
@@ -45,7 +49,7 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 
 
 def sh(cmd, **kw):
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, stdin=subprocess.DEVNULL, **kw)
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1800, **kw)
     if r.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
     return r.stdout
@@ -67,6 +71,8 @@ def main():
     a = p.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     os.makedirs(a.out, exist_ok=True)
+    if os.path.exists(f"{a.out}/compare.md"):
+        os.remove(f"{a.out}/compare.md")  # a failed run must not leave the last one's table to be copied
     machine = json.loads(sh([f"{a.bin}/fsdp-bench", "--matmul-only", "--out", f"{a.out}/bench"]))
     torch_version = sh([a.python, "-c", "import torch; print(torch.__version__)"]).strip()
     machine["torch_matmul_peak_flops"] = float(sh([a.python, "-c", TORCH_MATMUL]))
@@ -86,12 +92,14 @@ def main():
         with open(f"{out}.json") as f:
             return json.load(f)
 
-    results = []
-    for n in [int(x) for x in a.ranks.split(",")]:
+    results, norms = [], []
+    ranks = sorted(int(x) for x in a.ranks.split(","))
+    for n in ranks:
         data = f"{a.out}/data-{n}"
         sh([f"{a.bin}/fsdp-reference-data", "--out", data, "--steps", str(steps), "--micro-batches", str(n)])
         with open(f"{data}/meta.json") as f:
-            tokens = json.load(f)["micro_batches"] * 8 * 64
+            meta = json.load(f)
+        tokens = meta["micro_batches"] * meta["batch_size"] * meta["seq_len"]
         for mine, torch_runs in GROUPS:
             runs = [("ours", *r) for r in mine] + [("torch", *r) for r in torch_runs]
             got = {r[1]: [] for r in runs}
@@ -100,23 +108,32 @@ def main():
                     out = f"{a.out}/runs/{n}-{what[0]}-{rep}"
                     r = ours(n, what[0], what[1], out) if side == "ours" else theirs(n, what[0], data, out)
                     got[label].append(r)
+                    if side == "torch":
+                        ref = meta["step1_grad_norm"]
+                        norms.append((abs(r["step1_grad_norm"] - ref) / ref, n, label))
                     print(f"  N = {n}, {label}, run {rep + 1}: median step {median_ms(r, a.warmup):.1f} ms", flush=True)
             for label, *_ in mine:
                 for tlabel, _ in torch_runs:
                     results.append(pair(n, tokens, a.warmup, label, got[label], tlabel, got[tlabel]))
 
-    # The math: PyTorch's loss on lesson 01's trained weights (1 rank) against fsdp-eval's …
-    w = f"{a.out}/runs/1-step01-data-parallel-0/weights.safetensors"
+    # The math. Every PyTorch run's step-1 gradient against the project's …
+    worst_norm = max(norms)
+    # … PyTorch's loss on lesson 01's trained weights (fewest ranks) against fsdp-eval's …
+    n0 = ranks[0]
+    w = f"{a.out}/runs/{n0}-step01-data-parallel-0/weights.safetensors"
     ev = json.loads(sh([f"{a.bin}/fsdp-eval", "--weights", w, "--json"]))
-    pt = json.loads(sh([a.python, f"{here}/train.py", "eval", "--weights", w, "--corpus", f"{a.out}/data-1/corpus.u32"]))
+    pt = json.loads(sh([a.python, f"{here}/train.py", "eval", "--weights", w, "--corpus", f"{a.out}/data-{n0}/corpus.u32"]))
     eval_diff = abs(ev["mean_loss"] - pt["mean_loss"])
-    # … and 20 steps of training: lesson 01 against DDP at 1 rank.
-    first = next(r for r in results if r["ranks"] == 1 and r["torch"] == "DDP")
-    train_diff = first["max_loss_diff_20"]
+    # … and up to 20 steps of training: lesson 01 against DDP.
+    first = next(r for r in results if r["ranks"] == n0 and r["torch"] == "DDP")
+    train_diff, k = first["max_loss_diff_20"], min(20, steps)
     checks = [
+        (f"step 1's mean gradient, every PyTorch run ({len(norms)}) against the project's model in one process: "
+         f"largest relative difference of its norm {worst_norm[0]:.1e} ({worst_norm[2]} at {worst_norm[1]} rank(s); bound 1e-4)",
+         worst_norm[0] < 1e-4),
         (f"mean loss on lesson 01's trained weights, {ev['windows']} windows: fsdp-eval {ev['mean_loss']:.7f}, "
          f"PyTorch {pt['mean_loss']:.7f}, |difference| {eval_diff:.1e} (bound 1e-5)", eval_diff < 1e-5),
-        (f"20 steps from the same start on the same batches, 1 rank: largest |loss difference| lesson 01 vs DDP "
+        (f"{k} steps from the same start on the same batches, {n0} rank(s): largest |loss difference| lesson 01 vs DDP "
          f"{train_diff:.1e} (bound 1e-4)", train_diff < 1e-4),
     ]
     md = render(machine, torch_version, a, results, checks)
@@ -128,7 +145,8 @@ def main():
     print()
     print(md)
     if not all(ok for _, ok in checks):
-        sys.exit("error: a math check failed (above)")
+        print("error: a math check failed (above)", file=sys.stderr)
+        sys.exit(3)
 
 
 def median_ms(r, warmup):
@@ -140,7 +158,7 @@ def pair(n, tokens, warmup, label, ours, tlabel, theirs):
     m_ours = statistics.median(median_ms(r, warmup) for r in ours)
     m_theirs = statistics.median(median_ms(r, warmup) for r in theirs)
     rss = lambda runs: max(max(r["peak_rss_bytes"]) for r in runs) / 2**20  # noqa: E731
-    diffs = [abs(x - y) for x, y in zip(ours[0]["losses"], theirs[0]["losses"])]
+    diffs = [abs(x - y) for x, y in zip(ours[0]["losses"], theirs[0]["losses"])] or [float("nan")]
     return {
         "ranks": n, "ours": label, "torch": tlabel,
         "ours_ms": m_ours, "torch_ms": m_theirs,
@@ -159,7 +177,7 @@ def render(machine, torch_version, a, results, checks):
         f"{machine['torch_matmul_peak_flops'] / 1e9:.1f} through PyTorch's), PyTorch {torch_version} on CPU over gloo; "
         f"tiny preset, one 8 × 64-token micro-batch per rank per step, one compute thread per rank; median step of "
         f"{a.steps} after {a.warmup} warm-up steps, the median of {a.reps} interleaved runs per side (each run's median in "
-        "brackets). At 4 ranks the two cores are oversubscribed.",
+        f"brackets). Above {os.cpu_count()} ranks the machine's {os.cpu_count()} cores are shared (oversubscribed).",
         "",
         "| ranks | this project | tokens/s | PyTorch | tokens/s | speed ratio | peak RSS / rank (MiB) | largest loss difference |",
         "|---|---|---|---|---|---|---|---|",

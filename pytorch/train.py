@@ -53,8 +53,10 @@ def main():
     if a.mode == "eval":
         return evaluate(a)
 
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
-    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        sys.exit("error: launch it with Open MPI's mpirun (mpirun -n N python3 pytorch/train.py …): it takes its rank from there")
+    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    world = int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
     with open(f"{a.data}/meta.json") as f:
         meta = json.load(f)
@@ -66,11 +68,12 @@ def main():
     adamw = dict(lr=meta["lr"], betas=(meta["beta1"], meta["beta2"]), eps=meta["eps"], weight_decay=meta["weight_decay"])
     step_fn = {"ddp": ddp, "fsdp2": fsdp2, "toy": toy}[a.mode](model, adamw, world, rank)
 
-    losses, seconds = [], []
+    losses, seconds, norm = [], [], None
     for s in range(meta["steps"]):
         t0 = time.perf_counter()
-        loss_sum = step_fn([data[s, k] for k in mine], m // world)
-        seconds.append(time.perf_counter() - t0)
+        loss_sum, n = step_fn([data[s, k] for k in mine], m // world, s == 0)
+        seconds.append(time.perf_counter() - t0)  # (step 1's norm is inside; the warm-up skips it)
+        norm = norm if n is None else n
         total = torch.tensor([loss_sum], dtype=torch.float64)
         dist.all_reduce(total)  # outside the clock, like the lessons' log line
         losses.append(total.item() / m)
@@ -88,6 +91,7 @@ def main():
                     "step_seconds": seconds,
                     "median_step_seconds": statistics.median(seconds),
                     "peak_rss_bytes": [int(r.item()) for r in all_rss],
+                    "step1_grad_norm": norm,
                 },
                 f,
             )
@@ -117,11 +121,12 @@ def ddp(model, adamw, world, rank):
     net = DistributedDataParallel(model)  # averages gradients over the ranks
     opt = torch.optim.AdamW(net.parameters(), **adamw)
 
-    def step(micro, per_rank):
+    def step(micro, per_rank, want_norm):
         opt.zero_grad(set_to_none=True)
         total = micro_batch_losses(net, micro, per_rank, lambda last: nullcontext() if last else net.no_sync())
+        norm = global_norm([q.grad for q in net.parameters()], reduce=False) if want_norm else None
         opt.step()
-        return total
+        return total, norm
 
     return step
 
@@ -141,11 +146,12 @@ def fsdp2(model, adamw, world, rank):
         model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only
         yield
 
-    def step(micro, per_rank):
+    def step(micro, per_rank, want_norm):
         opt.zero_grad(set_to_none=True)
         total = micro_batch_losses(model, micro, per_rank, sync)
+        norm = global_norm([q.grad.to_local() for q in model.parameters()], reduce=True) if want_norm else None
         opt.step()
-        return total
+        return total, norm
 
     return step
 
@@ -161,7 +167,7 @@ def toy(model, adamw, world, rank):
     opt = torch.optim.AdamW([shard], **adamw)
     gathered = [torch.empty(shard_len) for _ in range(world)]
 
-    def step(micro, per_rank):
+    def step(micro, per_rank, want_norm):
         # 1. all-gather the whole model into the module's parameters
         dist.all_gather(gathered, shard.detach())
         full = torch.cat(gathered)
@@ -178,11 +184,21 @@ def toy(model, adamw, world, rank):
         g[:numel] = torch.cat([q.grad.reshape(-1) for q in params])
         dist.all_reduce(g)
         shard.grad = g[rank * shard_len : (rank + 1) * shard_len] / world
+        norm = global_norm([shard.grad], reduce=True) if want_norm else None
         # 4. AdamW on my shard only
         opt.step()
-        return total
+        return total, norm
 
     return step
+
+
+def global_norm(grads, reduce):
+    """‖g‖ of the whole mean gradient, in f64: from every rank's pieces
+    (summed over the ranks) or from a full copy (reduce=False)."""
+    sq = torch.tensor([sum(float(g.double().pow(2).sum()) for g in grads)], dtype=torch.float64)
+    if reduce:
+        dist.all_reduce(sq)
+    return float(sq.sqrt())
 
 
 def evaluate(a):

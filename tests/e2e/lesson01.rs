@@ -143,6 +143,20 @@ fn reference_data_holds_what_an_outside_trainer_needs() {
         assert!(mb.iter().all(|&t| t < 65));
     }
     assert_eq!(std::fs::metadata(out.join("corpus.u32")).unwrap().len(), 4 * 262_200);
+    // The very batches and start a lesson trains on: step s's micro-batch k from the
+    // sampler, the weights from the seed.
+    let corpus = fsdp_gpt::Corpus::generated();
+    let sampler = fsdp_gpt::Sampler::new(&corpus, 2, 16, 2, 1337).unwrap();
+    for (i, mb) in ids.chunks_exact(2 * 2 * 16).enumerate() {
+        let b = sampler.micro_batch(1 + i as u64 / 2, i % 2).unwrap();
+        let want: Vec<u32> =
+            [b.inputs, b.targets].iter().flat_map(|t| t.flatten_all().unwrap().to_vec1::<u32>().unwrap()).collect();
+        assert_eq!(mb, want.as_slice(), "step {}, micro-batch {}", 1 + i / 2, i % 2);
+    }
+    let init = fsdp_gpt::weights_file::load(&out.join("init.safetensors")).unwrap();
+    assert!(init.flat == fsdp_gpt::ParamTable::new(&init.cfg).init_flat(1337), "the seed's initial weights");
+    let norm = meta["step1_grad_norm"].as_f64().unwrap();
+    assert!(norm.is_finite() && norm > 0.01, "step 1's gradient norm {norm}");
     let o = std::process::Command::new(binary("fsdp-eval"))
         .args(["--json", "--batches", "2", "--weights"])
         .arg(out.join("init.safetensors"))

@@ -50,7 +50,7 @@ fn exercise_3_2_count_the_all_gathers() {
         Table::new(["ranks", "lesson 03 all-gather bytes / step", "lesson 02 all-gather bytes / step", "ratio"]);
     for ranks in [1, 2, 3, 4, 8] {
         let layouts: Vec<ShardLayout> = sizes.iter().map(|&n| ShardLayout::new(n, ranks)).collect();
-        let (lesson, _) = bytes_per_step(&layouts, HeadGrad::Keep); // the root gathered twice
+        let (lesson, _) = bytes_per_step(&layouts, HeadGrad::Keep, 4); // the root gathered twice, fp32
         assert_eq!(all_gather_bytes(&sizes, ranks), lesson, "{ranks} ranks");
         let l = ShardLayout::new(whole, ranks);
         let whole_model = ((ranks - 1) * l.shard_len * 4) as u64;

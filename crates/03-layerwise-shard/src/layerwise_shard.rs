@@ -41,8 +41,9 @@ pub enum Phase {
     Embed,
     /// Block unit `u` (1-based): forward, keeping only its input.
     Forward(usize),
-    /// Root: final norm, lm_head, loss — and their backward, at once.
-    Head,
+    /// Root: final norm, lm_head, loss — and their backward, at once;
+    /// then it keeps what [`HeadGrad`] says for the tied weight.
+    Head(HeadGrad),
     /// Block unit `u`: recompute from the saved input, backpropagate, reduce-scatter.
     Backward(usize),
     /// Root: the embedding's backward; completes the tied `wte` gradient,
@@ -66,16 +67,6 @@ pub enum HeadGrad {
     /// head at the embedding's backward: the root is gathered a third time,
     /// and the head runs forward and backward twice.
     Recompute,
-}
-
-impl HeadGrad {
-    /// Whichever holds less per micro-batch: (V, C) against (B, T, C). A
-    /// 65-character vocabulary keeps the lm_head part (8,320 elements
-    /// against 65,536 on 8 × 64 tokens at C = 128); GPT-2's 50,257 tokens
-    /// recompute the head.
-    pub fn smaller(micro_batch: (usize, usize), vocab: usize) -> Self {
-        if micro_batch.0 * micro_batch.1 < vocab { HeadGrad::Recompute } else { HeadGrad::Keep }
-    }
 }
 // ANCHOR_END: head_grad
 
@@ -125,7 +116,7 @@ impl Phase {
     /// Which unit the phase gathers.
     pub fn unit(self) -> usize {
         match self {
-            Phase::Embed | Phase::Head | Phase::EmbedBackward(_) => 0,
+            Phase::Embed | Phase::Head(_) | Phase::EmbedBackward(_) => 0,
             Phase::Forward(u) | Phase::Backward(u) => u,
         }
     }
@@ -141,7 +132,7 @@ impl Phase {
         match self {
             Phase::Embed => "embed",
             Phase::Forward(_) => "forward",
-            Phase::Head => "head forward+backward",
+            Phase::Head(_) => "head forward+backward",
             Phase::Backward(_) => "recompute+backward",
             Phase::EmbedBackward(HeadGrad::Keep) => "embedding backward",
             Phase::EmbedBackward(HeadGrad::Recompute) => "head recompute+embedding backward",
@@ -153,7 +144,7 @@ impl Phase {
 pub fn schedule(block_units: usize, head: HeadGrad) -> Vec<Phase> {
     let mut s = vec![Phase::Embed];
     s.extend((1..=block_units).map(Phase::Forward));
-    s.push(Phase::Head);
+    s.push(Phase::Head(head));
     s.extend((1..=block_units).rev().map(Phase::Backward));
     s.push(Phase::EmbedBackward(head));
     s
@@ -162,7 +153,6 @@ pub fn schedule(block_units: usize, head: HeadGrad) -> Vec<Phase> {
 /// What travels between the schedule's entries, per micro-batch of mine.
 struct Carry {
     batches: Vec<Batch>,
-    head_grad: HeadGrad,
     /// Saved unit inputs: `inputs[u − 1][k]` is block unit u's input (B, T, C);
     /// the last entry is the head's. Popped as backward consumes them.
     inputs: Vec<Vec<Tensor>>,
@@ -196,7 +186,6 @@ impl LayerwiseShard {
         let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
         let mut c = Carry {
             batches,
-            head_grad: self.head_grad,
             inputs: vec![],
             upstream: vec![],
             head_wte: vec![],
@@ -294,14 +283,14 @@ fn run_phase(
             c.inputs.push(y); // the next unit's input (the head's, after the last)
             Ok(None)
         }
-        Phase::Head => {
+        Phase::Head(head_grad) => {
             let (lnf, wte) = (&tracked[2..4], &tracked[0]);
             for (x, b) in c.inputs.pop().context("head input")?.into_iter().zip(&c.batches) {
                 let (loss, grads, xv) = head_backward(s, lnf, wte, &x, b)?;
                 c.loss_sum += loss as f64;
                 let lnf_grad = |v: &Var| grads.get(v).map(Tensor::detach).context("ln_f grad");
                 c.head_lnf.push([lnf_grad(&p[2])?, lnf_grad(&p[3])?]);
-                match c.head_grad {
+                match head_grad {
                     HeadGrad::Keep => c.head_wte.push(grads.get(&p[0]).context("wte grad")?.detach()),
                     HeadGrad::Recompute => c.head_inputs.push(x), // the lm_head part is dropped here
                 }

@@ -20,7 +20,7 @@ use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
-use step03_layerwise_shard::tally::{bytes_per_step, tally, unsharded_peak_table};
+use step03_layerwise_shard::tally::{bytes_per_step, lower_peak, tally, unsharded_peak_table};
 use step03_layerwise_shard::units::{UnitPolicy, build_units};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
@@ -40,7 +40,8 @@ struct Args {
     blocks_per_unit: usize,
     /// Where the tied wte's lm_head gradient waits for its embedding part:
     /// keep it, (V, C) per micro-batch, or recompute the head at the end
-    /// from its input, (B, T, C) per micro-batch. Default: whichever is smaller.
+    /// from its input, (B, T, C) per micro-batch. Default: whichever gives
+    /// the lower peak by the tally.
     #[arg(long, value_name = "keep|recompute")]
     head_grad: Option<HeadGrad>,
     /// Run lesson 02 (bitwise lesson 01) beside, compare the weights every
@@ -74,7 +75,7 @@ fn main() -> ExitCode {
         // My shard of every unit, cut from the seed's weights (or the checkpoint's).
         let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, UnitPolicy::default())?;
         let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
-        let head_grad = args.head_grad.unwrap_or(HeadGrad::smaller(s.micro_batch_shape(), s.cfg.vocab_size));
+        let head_grad = args.head_grad.unwrap_or_else(|| lower_peak(&s, &units, args.prefetch));
         s.print_config(&[
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
             (
@@ -118,7 +119,7 @@ fn main() -> ExitCode {
         let full = fsdp.gather_full(&s);
 
         let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout()).collect();
-        let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts, head_grad);
+        let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts, head_grad, 4);
         let scatter_bytes = scatter_bytes * s.sum_groups.per_rank() as u64; // one sum per group of mine
         let mut units = Table::new(["unit", "elements", "padding", "shard / rank", "MB unsharded"]);
         for u in &fsdp.units {

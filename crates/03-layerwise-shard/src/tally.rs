@@ -196,6 +196,20 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
 }
 // ANCHOR_END: tally
 
+// ANCHOR: head_grad_choice
+/// The default [`HeadGrad`]: recompute the head only if that lowers the
+/// step's peak, by the tally above (the root's third gather and the head's
+/// second run count against it; a tie keeps). With a 65-character vocabulary
+/// on 8 × 64-token micro-batches the lm_head part (65 × C) is the smaller
+/// wait and is kept; on 2 × 16 tokens the head's input is, and the head is
+/// recomputed. With GPT-2's 50,257 tokens a (V, C) part per micro-batch
+/// would be 154 MB in fp32.
+pub fn lower_peak(s: &Session, units: &[FsdpUnit], prefetch: bool) -> HeadGrad {
+    let peak = |h| tally(s, units, prefetch, h).expected_peak_bytes();
+    if peak(HeadGrad::Recompute) < peak(HeadGrad::Keep) { HeadGrad::Recompute } else { HeadGrad::Keep }
+}
+// ANCHOR_END: head_grad_choice
+
 /// The unsharded peak: the largest unit against lesson 02's whole model.
 pub fn unsharded_peak_table(units: &[FsdpUnit], prefetch: bool) -> Table {
     let numel: usize = units.iter().map(|u| u.layout().numel).sum();
@@ -214,16 +228,18 @@ pub fn unsharded_peak_table(units: &[FsdpUnit], prefetch: bool) -> Table {
 
 // ANCHOR: traffic
 /// Bytes one rank sends per step, (all-gather, reduce-scatter), given the
-/// units' layouts, the root first. Each gather sends my shard to N − 1
-/// ranks; every unit is gathered twice (a block for forward and backward,
-/// the root for the embedding and the head; a third time for the root when
-/// the head is recomputed) and its gradient reduce-scattered once.
-pub fn bytes_per_step(units: &[ShardLayout], head: HeadGrad) -> (u64, u64) {
+/// units' layouts, the root first, and the bytes of a gathered element (4
+/// in fp32; lesson 04 gathers its compute dtype). Each gather sends my
+/// shard to N − 1 ranks; every unit is gathered twice (a block for forward
+/// and backward, the root for the embedding and the head; a third time for
+/// the root when the head is recomputed) and its fp32 gradient
+/// reduce-scattered once.
+pub fn bytes_per_step(units: &[ShardLayout], head: HeadGrad, gather_elem: usize) -> (u64, u64) {
     let (mut gather, mut scatter) = (0, 0);
     for (i, l) in units.iter().enumerate() {
-        let once = ((l.world - 1) * l.shard_len * 4) as u64;
-        gather += once * if i == 0 { head.root_gathers() } else { 2 } as u64;
-        scatter += once;
+        let once = ((l.world - 1) * l.shard_len) as u64;
+        gather += once * gather_elem as u64 * if i == 0 { head.root_gathers() } else { 2 } as u64;
+        scatter += once * 4;
     }
     (gather, scatter)
 }

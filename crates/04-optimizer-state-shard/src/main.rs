@@ -22,7 +22,7 @@ use fsdp_gpt::Precision;
 use fsdp_harness::session::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs};
 use step03_layerwise_shard::HeadGrad;
-use step03_layerwise_shard::units::FsdpUnit;
+use step03_layerwise_shard::tally::bytes_per_step;
 use step04_optimizer_state_shard::OptimizerStateShard;
 use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally, stage2_tally};
 
@@ -48,7 +48,8 @@ struct Args {
     prefetch: bool,
     /// Stage 3: where the tied wte's lm_head gradient waits for its
     /// embedding part: keep it, (V, C) per micro-batch, or recompute the
-    /// head at the end from its input, (B, T, C). Default: the smaller.
+    /// head at the end from its input, (B, T, C). Default: whichever gives
+    /// the lower peak by the tally.
     #[arg(long, value_name = "keep|recompute")]
     head_grad: Option<HeadGrad>,
     /// Stages 1 and 2: activation checkpointing, block by block (less
@@ -69,7 +70,26 @@ fn main() -> ExitCode {
         // The stage does not change the arithmetic (a ZeRO-1 checkpoint resumes at ZeRO-3); the precision does.
         let (s, start) =
             Session::with_flags(world, lesson, args.train, &[("--precision", args.precision.to_string())])?;
-        let head_grad = args.head_grad.unwrap_or(HeadGrad::smaller(s.micro_batch_shape(), s.cfg.vocab_size));
+        fsdp_harness::edge::agree(
+            world,
+            match (args.head_grad, args.stage) {
+                (Some(h), stage @ (1 | 2)) => Err(anyhow::anyhow!(
+                    "--head-grad {} applies to stage 3 (lesson 03's schedule): leave it out at --stage {stage}",
+                    h.name()
+                )),
+                _ => Ok(()),
+            },
+        )?;
+        let mut zero = OptimizerStateShard::new(
+            &s,
+            start,
+            args.stage,
+            args.precision,
+            args.prefetch,
+            args.recompute,
+            args.head_grad,
+        )?;
+        let head_grad = zero.fsdp.head_grad;
         s.print_config(&[
             ("ZeRO stage", STAGES[args.stage as usize - 1].to_string()),
             (
@@ -96,8 +116,6 @@ fn main() -> ExitCode {
             ),
         ]);
 
-        let mut zero = OptimizerStateShard::new(&s, start, args.stage, args.precision, args.prefetch, args.recompute)?;
-        zero.fsdp.head_grad = head_grad; // stage 3 runs lesson 03's schedule: --head-grad applies
         world.reset_traffic(); // stages 1–2 gathered their resident copies: setup, not a step
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         for step in s.steps() {
@@ -126,12 +144,14 @@ fn main() -> ExitCode {
         // reduce-scatter fp32; stage 3 gathers each unit twice (the root a
         // third time if the head is recomputed), stages 1–2 once (the new
         // weights after the update).
-        let once = |u: &FsdpUnit, bytes: usize| ((world.size() - 1) * u.layout().shard_len * bytes) as u64;
-        let sent = |bytes: usize| -> u64 { units.iter().map(|u| once(u, bytes)).sum() };
+        let sent = |bytes: usize| -> u64 {
+            units.iter().map(|u| ((world.size() - 1) * u.layout().shard_len * bytes) as u64).sum()
+        };
         let gathered = match args.stage {
+            // lesson 03's schedule, gathering the compute dtype
             3 => {
-                2 * sent(args.precision.bytes())
-                    + (head_grad.root_gathers() as u64 - 2) * once(&units[0], args.precision.bytes())
+                bytes_per_step(&units.iter().map(|u| u.layout()).collect::<Vec<_>>(), head_grad, args.precision.bytes())
+                    .0
             }
             _ => sent(args.precision.bytes()),
         };

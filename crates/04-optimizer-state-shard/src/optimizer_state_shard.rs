@@ -24,6 +24,7 @@ use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start};
+use step03_layerwise_shard::tally::lower_peak;
 use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
@@ -45,13 +46,15 @@ impl OptimizerStateShard {
         precision: Precision,
         prefetch: bool,
         recompute: bool,
+        head_grad: Option<HeadGrad>,
     ) -> anyhow::Result<Self> {
         // Stages 1 and 2 keep each unit's compute copy unsharded from step to
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
         let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype() };
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are read: the start's source goes
-        let head_grad = HeadGrad::smaller(s.micro_batch_shape(), s.cfg.vocab_size); // stage 3's
+        // Stage 3 runs lesson 03's schedule: what waits for the tied wte (lesson 03's default).
+        let head_grad = head_grad.unwrap_or_else(|| lower_peak(s, &units, prefetch && stage == 3));
         Ok(Self { stage, recompute, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3, head_grad } })
     }
     // ANCHOR_END: new

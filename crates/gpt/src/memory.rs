@@ -42,8 +42,6 @@ enum Op {
     Gather(usize),
     MatMul(usize, usize),
     ToDType(usize),
-    /// [`crate::kernels::causal_softmax`]: its backward needs only its output.
-    CausalSoftmax(usize),
     /// [`crate::kernels::layer_norm`]: `(x, w, b)`.
     LayerNorm(usize, usize, usize),
     /// [`crate::kernels::linear`]: `(x, w, b)`.
@@ -59,13 +57,10 @@ enum Bin {
     Add,
     Sub,
     Mul,
-    Div,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Un {
-    Sqr,
-    Sqrt,
     Exp,
     Log,
 }
@@ -121,8 +116,8 @@ pub struct Footprint {
     /// gradients in flight, the sums growing in the GradStore, temporaries.
     pub backward_peak: usize,
     /// What the GradStore still holds when backward returns: the `Var`s'
-    /// gradients ([`Footprint::var_grads`]) and any gradient candle keeps
-    /// for a non-`Var` leaf (a pass's input made a `Var`, for instance).
+    /// gradients ([`Footprint::var_grads`]), the gradients of a pass's
+    /// inputs made `Var`s among them.
     pub grad_store: usize,
     pub var_grads: usize,
     /// Of [`Footprint::backward_peak`], the `Var`s' gradients in the
@@ -225,10 +220,6 @@ impl Graph {
     pub fn broadcast_mul(&mut self, a: T, b: T) -> T {
         self.broadcast_binary(a, b, Bin::Mul)
     }
-    pub fn broadcast_div(&mut self, a: T, b: T) -> T {
-        self.broadcast_binary(a, b, Bin::Div)
-    }
-
     fn unary(&mut self, a: T, op: Un) -> T {
         self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::Unary(a.0, op))
     }
@@ -252,12 +243,6 @@ impl Graph {
     pub fn max_keepdim(&mut self, a: T, dim: usize) -> T {
         let s = self.keepdim(a, dim);
         self.alloc(s, self.n(a).elem, Op::Max(a.0))
-    }
-
-    /// `mean_keepdim`: a sum, then a scalar multiply.
-    pub fn mean_keepdim(&mut self, a: T, dim: usize) -> T {
-        let s = self.sum_keepdim(a, dim);
-        self.affine(s)
     }
 
     /// `sum_all`: one sum over every dimension, then a reshape to a scalar.
@@ -338,12 +323,6 @@ impl Graph {
         }
     }
 
-    pub fn sqr(&mut self, a: T) -> T {
-        self.unary(a, Un::Sqr)
-    }
-    pub fn sqrt(&mut self, a: T) -> T {
-        self.unary(a, Un::Sqrt)
-    }
     pub fn exp(&mut self, a: T) -> T {
         self.unary(a, Un::Exp)
     }
@@ -370,9 +349,6 @@ impl Graph {
     }
     pub fn layer_norm(&mut self, x: T, w: T, b: T) -> T {
         self.alloc(self.n(x).shape.clone(), self.n(x).elem, Op::LayerNorm(x.0, w.0, b.0))
-    }
-    pub fn causal_softmax(&mut self, a: T) -> T {
-        self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::CausalSoftmax(a.0))
     }
 
     /// Buffers reachable from `root` through recorded ops, excluding those
@@ -480,7 +456,6 @@ impl Op {
             | Op::IndexSelect(a)
             | Op::Gather(a)
             | Op::ToDType(a)
-            | Op::CausalSoftmax(a)
             | Op::Gelu(a) => vec![a],
         }
     }
@@ -651,25 +626,6 @@ impl Backward<'_> {
                 self.drop_(t1);
                 self.drop_(t2);
             }
-            Op::Binary(l, r, Bin::Div) => {
-                let t1 = self.make(s, &[gs, Src::Fwd(r)]); // grad / rhs
-                self.acc(l, Src::New(t1));
-                let a = self.make(s, &[gs, Src::Fwd(l)]); // grad * lhs
-                let b = self.make(s, &[Src::Fwd(r)]); // rhs.sqr()
-                let t2 = self.make(s, &[Src::New(a), Src::New(b)]);
-                self.drop_(a);
-                self.drop_(b);
-                self.acc(r, Src::New(t2)); // sub
-                self.drop_(t1);
-                self.drop_(t2);
-            }
-            Op::Unary(a, Un::Sqr | Un::Sqrt) => {
-                let m = self.make(s, &[Src::Fwd(a), node, gs]); // arg * grad, grad / node
-                let t = self.make(s, &[Src::New(m)]); // · 2, · 0.5
-                self.drop_(m);
-                self.acc(a, Src::New(t));
-                self.drop_(t);
-            }
             Op::Unary(a, Un::Exp | Un::Log) => {
                 self.or_insert(a);
                 let t = self.make(s, &[gs, node]); // grad * node, grad / arg
@@ -725,11 +681,6 @@ impl Backward<'_> {
                 self.or_insert(a);
                 let t = self.make(self.size(a), &[gs]); // grad.to_dtype(arg's)
                 self.add_into(a, Src::New(t));
-                self.drop_(t);
-            }
-            Op::CausalSoftmax(a) => {
-                let t = self.make(s, &[]); // one pass over (y, grad), a fresh tensor with no op
-                self.acc(a, Src::New(t));
                 self.drop_(t);
             }
             Op::Gelu(a) => {
@@ -803,9 +754,12 @@ impl Backward<'_> {
                 self.drop_(out);
             }
             Op::LayerNorm(x, w, b) => {
-                // dx, dw, db made at once (and a row of x̂), then added in order
+                // dx, dw, db made at once, then added in order. Besides: a row
+                // of x̂ (f32: 4·C bytes); under bf16 the widened w, four f32
+                // rows, dw and db in f32 (7 · 4·C), and their rounding.
                 let made = [self.make(s, &[]), self.make(self.size(w), &[]), self.make(self.size(b), &[])];
-                self.transient(self.size(w));
+                let row = 4 * self.g.nodes[w].numel();
+                self.transient(if self.g.nodes[x].elem == 2 { 7 * row + 2 * self.size(w) } else { row });
                 for (arg, t) in [x, w, b].into_iter().zip(made) {
                     self.acc(arg, Src::New(t));
                     self.drop_(t);

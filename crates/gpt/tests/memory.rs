@@ -99,7 +99,7 @@ fn the_whole_model_pass_holds_what_the_shapes_say() {
             assert_eq!(model.var_grads, table.numel() * precision.bytes());
             // Nothing stays beyond the Vars' gradients: the causal mask, a
             // constant candle would give a (B, nh, T, T) gradient per block,
-            // lives inside the fused softmax.
+            // lives inside the fused attention.
             assert_eq!(model.grad_store, model.var_grads);
         }
     }

@@ -51,6 +51,29 @@ pub struct Session<'w> {
 /// `--micro-batches` when neither the flag nor a checkpoint says.
 pub const DEFAULT_MICRO_BATCHES: usize = 4;
 
+/// What `args` train on: the corpus, the model's shape for its vocabulary,
+/// and the sampler of `micro_batches` micro-batches per step. A lesson's
+/// session and `fsdp-reference-data` (what PyTorch trains on in `just
+/// compare-pytorch`) both take it from here.
+pub fn training_data(args: &TrainArgs, micro_batches: usize) -> anyhow::Result<(Corpus, GptConfig, Sampler)> {
+    let corpus = match &args.data {
+        Some(p) => Corpus::from_file(&p.display().to_string())?,
+        None => Corpus::generated(),
+    };
+    let cfg = GptConfig::preset(&args.preset, corpus.vocab.len())?;
+    let seq_len = args.seq_len.map_or(cfg.block_size, |t| t as usize);
+    if seq_len > cfg.block_size {
+        bail!(
+            "--seq-len {seq_len} exceeds the {} preset's block size {}: pass --seq-len {} or less",
+            args.preset,
+            cfg.block_size,
+            cfg.block_size
+        );
+    }
+    let sampler = Sampler::new(&corpus, args.batch_size as usize, seq_len, micro_batches, args.seed)?;
+    Ok((corpus, cfg, sampler))
+}
+
 /// The state training starts from, handed to the lesson by value: the
 /// seed's initial weights, or a checkpoint's weights and AdamW moments. Not
 /// held whole anywhere: a lesson asks for the model-order ranges it keeps
@@ -164,21 +187,7 @@ impl<'w> Session<'w> {
                 m.div_ceil(n) * n
             );
         }
-        let corpus = match &args.data {
-            Some(p) => Corpus::from_file(&p.display().to_string())?,
-            None => Corpus::generated(),
-        };
-        let cfg = GptConfig::preset(&args.preset, corpus.vocab.len())?;
-        let seq_len = args.seq_len.map_or(cfg.block_size, |t| t as usize);
-        if seq_len > cfg.block_size {
-            bail!(
-                "--seq-len {seq_len} exceeds the {} preset's block size {}: pass --seq-len {} or less",
-                args.preset,
-                cfg.block_size,
-                cfg.block_size
-            );
-        }
-        let sampler = Sampler::new(&corpus, args.batch_size as usize, seq_len, m, args.seed)?;
+        let (corpus, cfg, sampler) = training_data(&args, m)?;
         let out = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(lesson.short()));
         if world.is_root() {
             std::fs::create_dir_all(&out).with_context(|| format!("cannot create --out folder {}", out.display()))?;

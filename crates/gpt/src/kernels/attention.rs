@@ -6,7 +6,8 @@
 //! product, transposed and copied back — each a node whose backward adds a
 //! gradient (narrow's builds a zero-padded copy of the whole (B, T, 3C)).
 //! Here it is one op that reads q, k and v in place (strided views of its
-//! input) and keeps one tensor besides its output, the probabilities P:
+//! input); the graph keeps its input and output, and the op keeps one
+//! tensor more, the probabilities P:
 //!
 //! ```text
 //! forward   S = q·kᵀ,  P = causal_softmax(S / √hs),  y = P·v            per batch item and head
@@ -23,8 +24,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 
-use super::matmul::{Operand, products_f32, products_f64};
-use super::softmax::{backward_f32, backward_f64, forward_f32, forward_f64};
+use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, values, widen};
+use super::matmul::Operand;
 
 /// `softmax(q·kᵀ/√hs + causal mask)·v` for each of `n_head` heads, from
 /// `qkv` (B, T, 3C) (q, k, v side by side, heads side by side in each) to
@@ -52,6 +53,7 @@ struct Dims {
 impl Dims {
     fn new(d: &[usize], nh: usize) -> Result<Self> {
         let &[b, t, c3] = d else { bail!("attention needs qkv of (B, T, 3C), got {d:?}") };
+        nonempty(d, "attention")?;
         let c = c3 / 3;
         if c3 % 3 != 0 || nh == 0 || c % nh != 0 {
             bail!("attention: qkv {d:?} does not split into q, k, v of {nh} heads");
@@ -83,38 +85,6 @@ impl Dims {
             false => Operand { batch_offsets, rows: t, cols: t, row_stride: t, col_stride: 1 },
             true => Operand { batch_offsets, rows: t, cols: t, row_stride: 1, col_stride: t },
         }
-    }
-}
-
-/// The arithmetic in one precision: f32 (also bf16's, rounding after each
-/// op) or f64 (the finite-difference tests).
-trait Calc: Copy + Default + Send + Sync + 'static {
-    fn mm(a: &Operand, x: &[Self], b: &Operand, y: &[Self]) -> Vec<Self>;
-    fn softmax_row(x: &[Self], y: &mut [Self], i: usize, scale: f64);
-    fn softmax_backward_row(y: &[Self], g: &[Self], dx: &mut [Self], i: usize, scale: f64);
-}
-
-impl Calc for f32 {
-    fn mm(a: &Operand, x: &[f32], b: &Operand, y: &[f32]) -> Vec<f32> {
-        products_f32(a, x, b, y)
-    }
-    fn softmax_row(x: &[f32], y: &mut [f32], i: usize, scale: f64) {
-        forward_f32(x, y, i, scale as f32)
-    }
-    fn softmax_backward_row(y: &[f32], g: &[f32], dx: &mut [f32], i: usize, scale: f64) {
-        backward_f32(y, g, dx, i, scale as f32)
-    }
-}
-
-impl Calc for f64 {
-    fn mm(a: &Operand, x: &[f64], b: &Operand, y: &[f64]) -> Vec<f64> {
-        products_f64(a, x, b, y)
-    }
-    fn softmax_row(x: &[f64], y: &mut [f64], i: usize, scale: f64) {
-        forward_f64(x, y, i, scale)
-    }
-    fn softmax_backward_row(y: &[f64], g: &[f64], dx: &mut [f64], i: usize, scale: f64) {
-        backward_f64(y, g, dx, i, scale)
     }
 }
 
@@ -176,23 +146,6 @@ fn backward<T: Calc>(d: Dims, qkv: &[T], p: &[T], dy: &[T], round: impl Fn(&mut 
     dqkv
 }
 
-fn to_bf16(v: &mut [f32]) {
-    v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
-}
-
-fn slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    let Some((a, b)) = l.contiguous_offsets() else { bail!("attention needs contiguous operands") };
-    Ok(&s.as_slice::<T>()?[a..b])
-}
-
-fn widen(x: &[bf16]) -> Vec<f32> {
-    x.iter().map(|v| v.to_f32()).collect()
-}
-
-fn narrow(x: Vec<f32>) -> Vec<bf16> {
-    x.into_iter().map(bf16::from_f32).collect()
-}
-
 impl CustomOp1 for Attention {
     fn name(&self) -> &'static str {
         "causal-attention"
@@ -203,15 +156,15 @@ impl CustomOp1 for Attention {
         let probs = (d.b, d.nh, d.t, d.t);
         let (y, p) = match s.dtype() {
             DType::F32 => {
-                let (y, p) = forward(d, slice::<f32>(s, l)?, |_| {});
+                let (y, p) = forward(d, values::<f32>(s, l, "attention")?, |_| {});
                 (CpuStorage::F32(y), Tensor::from_vec(p, probs, &Device::Cpu)?)
             }
             DType::F64 => {
-                let (y, p) = forward(d, slice::<f64>(s, l)?, |_| {});
+                let (y, p) = forward(d, values::<f64>(s, l, "attention")?, |_| {});
                 (CpuStorage::F64(y), Tensor::from_vec(p, probs, &Device::Cpu)?)
             }
             DType::BF16 => {
-                let (y, p) = forward(d, &widen(slice::<bf16>(s, l)?), to_bf16);
+                let (y, p) = forward(d, &widen(values::<bf16>(s, l, "attention")?), round_to_bf16);
                 (CpuStorage::BF16(narrow(y)), Tensor::from_vec(narrow(p), probs, &Device::Cpu)?)
             }
             dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
@@ -228,24 +181,36 @@ impl CustomOp1 for Attention {
         let (sq, lq) = qkv.storage_and_layout();
         let (sp, lp) = p.storage_and_layout();
         let (sg, lg) = grad.storage_and_layout();
-        let (candle_core::Storage::Cpu(sq), candle_core::Storage::Cpu(sp), candle_core::Storage::Cpu(sg)) =
-            (&*sq, &*sp, &*sg)
-        else {
-            bail!("attention runs on the CPU")
-        };
+        let (sq, sp, sg) = (cpu(&sq, "attention")?, cpu(&sp, "attention")?, cpu(&sg, "attention")?);
         let shape = (d.b, d.t, 3 * d.c);
         let dqkv = match qkv.dtype() {
             DType::F32 => {
-                let v = backward(d, slice::<f32>(sq, lq)?, slice(sp, lp)?, slice(sg, lg)?, |_| {});
+                let v = backward(
+                    d,
+                    values::<f32>(sq, lq, "attention")?,
+                    values(sp, lp, "attention")?,
+                    values(sg, lg, "attention")?,
+                    |_| {},
+                );
                 Tensor::from_vec(v, shape, &Device::Cpu)?
             }
             DType::F64 => {
-                let v = backward(d, slice::<f64>(sq, lq)?, slice(sp, lp)?, slice(sg, lg)?, |_| {});
+                let v = backward(
+                    d,
+                    values::<f64>(sq, lq, "attention")?,
+                    values(sp, lp, "attention")?,
+                    values(sg, lg, "attention")?,
+                    |_| {},
+                );
                 Tensor::from_vec(v, shape, &Device::Cpu)?
             }
             DType::BF16 => {
-                let (q, p, g) = (widen(slice(sq, lq)?), widen(slice(sp, lp)?), widen(slice(sg, lg)?));
-                Tensor::from_vec(narrow(backward(d, &q, &p, &g, to_bf16)), shape, &Device::Cpu)?
+                let (q, p, g) = (
+                    widen(values(sq, lq, "attention")?),
+                    widen(values(sp, lp, "attention")?),
+                    widen(values(sg, lg, "attention")?),
+                );
+                Tensor::from_vec(narrow(backward(d, &q, &p, &g, round_to_bf16)), shape, &Device::Cpu)?
             }
             dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
         };
@@ -255,15 +220,10 @@ impl CustomOp1 for Attention {
 
 #[cfg(test)]
 mod tests {
+    use super::super::common::testing::{bits, random};
     use super::*;
     use crate::kernels::{causal_softmax, matmul};
     use candle_core::Var;
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = crate::rng::SplitMix64::new(seed);
-        let n = shape.iter().product();
-        Tensor::from_vec((0..n).map(|_| rng.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-    }
 
     /// The same attention from the separate ops: split, matmul, causal softmax, matmul, merge.
     fn composed(qkv: &Tensor, nh: usize) -> Tensor {
@@ -282,18 +242,6 @@ mod tests {
         let (q, k, v) = (heads(0), heads(1), heads(2));
         let att = causal_softmax(&matmul(&q, &k.t().unwrap()).unwrap(), 1.0 / (hs as f64).sqrt()).unwrap();
         matmul(&att, &v).unwrap().transpose(1, 2).unwrap().reshape((b, t, c)).unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
     }
 
     /// The fused op and the composed ops give the same bits, forward and

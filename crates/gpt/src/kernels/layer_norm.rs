@@ -4,8 +4,8 @@
 //! (mean, centred, squared, variance, std, normalised, scaled, shifted …)
 //! and a backward through each, whose gradients for `w` and `b` are sums
 //! over every row done by candle's generic strided reduction. Here the
-//! forward keeps its output alone (the input is its producer's), and the
-//! backward recomputes each row's mean and 1/σ from it:
+//! graph keeps the op's inputs and output, nothing between, and the
+//! backward recomputes each row's mean and 1/σ from x:
 //!
 //! ```text
 //! forward   x̂ = (x − μ) / √(σ² + ε),   y = x̂ · w + b            per row of C
@@ -20,6 +20,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
+
+use super::common::{cpu, nonempty, values};
 
 /// `(x − mean) / √(var + eps) · w + b` over the last dimension of `x`
 /// (…, C), with `w` and `b` of shape (C). Differentiable in all three.
@@ -73,12 +75,6 @@ macro_rules! kernels {
 kernels!(row_f32, row_backward_f32, f32);
 kernels!(row_f64, row_backward_f64, f64);
 
-/// A contiguous tensor's values as a slice (from its start offset).
-fn values<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
-    let Some((a, b)) = l.contiguous_offsets() else { bail!("layer_norm needs a contiguous {what}") };
-    Ok(&s.as_slice::<T>()?[a..b])
-}
-
 /// The shared forward: per row, x̂ (scaled and shifted into `y`), in f32 or f64.
 macro_rules! forward {
     ($x:expr, $w:expr, $b:expr, $c:expr, $eps:expr, $row:ident, $t:ty) => {{
@@ -107,22 +103,34 @@ impl CustomOp3 for LayerNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        nonempty(l1.dims(), "layer_norm")?;
         let c = *l1.dims().last().unwrap_or(&0);
         if l2.dims() != [c] || l3.dims() != [c] {
             bail!("layer_norm: x {:?} needs w and b of ({c}), got {:?} and {:?}", l1.dims(), l2.dims(), l3.dims());
         }
         let out = match s1.dtype() {
             DType::F32 => {
-                let (x, w, b) = (values::<f32>(s1, l1, "x")?, values::<f32>(s2, l2, "w")?, values::<f32>(s3, l3, "b")?);
+                let (x, w, b) = (
+                    values::<f32>(s1, l1, "layer_norm")?,
+                    values::<f32>(s2, l2, "layer_norm")?,
+                    values::<f32>(s3, l3, "layer_norm")?,
+                );
                 CpuStorage::F32(forward!(x, w, b, c, self.eps as f32, row_f32, f32))
             }
             DType::F64 => {
-                let (x, w, b) = (values::<f64>(s1, l1, "x")?, values::<f64>(s2, l2, "w")?, values::<f64>(s3, l3, "b")?);
+                let (x, w, b) = (
+                    values::<f64>(s1, l1, "layer_norm")?,
+                    values::<f64>(s2, l2, "layer_norm")?,
+                    values::<f64>(s3, l3, "layer_norm")?,
+                );
                 CpuStorage::F64(forward!(x, w, b, c, self.eps, row_f64, f64))
             }
             DType::BF16 => {
-                let (x, w, b) =
-                    (values::<bf16>(s1, l1, "x")?, values::<bf16>(s2, l2, "w")?, values::<bf16>(s3, l3, "b")?);
+                let (x, w, b) = (
+                    values::<bf16>(s1, l1, "layer_norm")?,
+                    values::<bf16>(s2, l2, "layer_norm")?,
+                    values::<bf16>(s3, l3, "layer_norm")?,
+                );
                 let (w, b): (Vec<f32>, Vec<f32>) =
                     (w.iter().map(|v| v.to_f32()).collect(), b.iter().map(|v| v.to_f32()).collect());
                 let (mut wide, mut h) = (vec![0f32; c], vec![0f32; c]); // one row at a time
@@ -153,17 +161,16 @@ impl CustomOp3 for LayerNorm {
         let (sx, lx) = x.storage_and_layout();
         let (sw, lw) = w.storage_and_layout();
         let (sg, lg) = grad.storage_and_layout();
-        let (candle_core::Storage::Cpu(sx), candle_core::Storage::Cpu(sw), candle_core::Storage::Cpu(sg)) =
-            (&*sx, &*sw, &*sg)
-        else {
-            bail!("layer_norm runs on the CPU")
-        };
+        let (sx, sw, sg) = (cpu(&sx, "layer_norm")?, cpu(&sw, "layer_norm")?, cpu(&sg, "layer_norm")?);
         let c = *x.dims().last().unwrap_or(&0);
         let dev = x.device();
         let (dx, dw, db) = match x.dtype() {
             DType::F32 => {
-                let (x, w, g) =
-                    (values::<f32>(sx, lx, "x")?, values::<f32>(sw, lw, "w")?, values::<f32>(sg, lg, "grad")?);
+                let (x, w, g) = (
+                    values::<f32>(sx, lx, "layer_norm")?,
+                    values::<f32>(sw, lw, "layer_norm")?,
+                    values::<f32>(sg, lg, "layer_norm")?,
+                );
                 let (dx, dw, db) = backward_rows(x, w, g, c, self.eps as f32, row_f32, row_backward_f32);
                 (
                     Tensor::from_vec(dx, lx.shape().clone(), dev)?,
@@ -172,8 +179,11 @@ impl CustomOp3 for LayerNorm {
                 )
             }
             DType::F64 => {
-                let (x, w, g) =
-                    (values::<f64>(sx, lx, "x")?, values::<f64>(sw, lw, "w")?, values::<f64>(sg, lg, "grad")?);
+                let (x, w, g) = (
+                    values::<f64>(sx, lx, "layer_norm")?,
+                    values::<f64>(sw, lw, "layer_norm")?,
+                    values::<f64>(sg, lg, "layer_norm")?,
+                );
                 let (dx, dw, db) = backward_rows(x, w, g, c, self.eps, row_f64, row_backward_f64);
                 (
                     Tensor::from_vec(dx, lx.shape().clone(), dev)?,
@@ -182,8 +192,11 @@ impl CustomOp3 for LayerNorm {
                 )
             }
             DType::BF16 => {
-                let (x, w, g) =
-                    (values::<bf16>(sx, lx, "x")?, values::<bf16>(sw, lw, "w")?, values::<bf16>(sg, lg, "grad")?);
+                let (x, w, g) = (
+                    values::<bf16>(sx, lx, "layer_norm")?,
+                    values::<bf16>(sw, lw, "layer_norm")?,
+                    values::<bf16>(sg, lg, "layer_norm")?,
+                );
                 let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
                 let (mut wx, mut wg, mut h, mut d) = (vec![0f32; c], vec![0f32; c], vec![0f32; c], vec![0f32; c]);
                 let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
@@ -230,14 +243,9 @@ fn backward_rows<T: Copy + Default>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::common::testing::{max_diff, random};
     use super::*;
     use candle_core::{D, Device, Var};
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = crate::rng::SplitMix64::new(seed);
-        let n = shape.iter().product();
-        Tensor::from_vec((0..n).map(|_| rng.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-    }
 
     /// LayerNorm composed from candle's ops, as the model had it.
     fn composite(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
@@ -246,11 +254,6 @@ mod tests {
         let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
         let xn = xc.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap()).unwrap();
         xn.broadcast_mul(w).unwrap().broadcast_add(b).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
-        d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
     }
 
     /// The fused op computes what the composite computes, and so do all
@@ -316,5 +319,18 @@ mod tests {
             t.flatten_all().unwrap().to_vec1::<bf16>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
         assert_eq!(bits(&out), bits(&to(&wide, DType::BF16)));
+        // The backward too: every gradient the f32 one, rounded once.
+        let g = to(&random(&[4, 32], 12), DType::BF16);
+        let grads = |x: &Tensor, w: &Tensor, b: &Tensor, g: &Tensor| {
+            let (x, w, b) = (Var::from_tensor(x).unwrap(), Var::from_tensor(w).unwrap(), Var::from_tensor(b).unwrap());
+            let y = layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
+            let store = (y * g).unwrap().sum_all().unwrap().backward().unwrap();
+            [&x, &w, &b].map(|v| store.get(v.as_tensor()).unwrap().clone())
+        };
+        let narrow = grads(&x, &w, &b, &g);
+        let wide = grads(&to(&x, DType::F32), &to(&w, DType::F32), &to(&b, DType::F32), &to(&g, DType::F32));
+        for (n, w) in narrow.iter().zip(&wide) {
+            assert_eq!(bits(n), bits(&to(w, DType::BF16)));
+        }
     }
 }

@@ -13,9 +13,9 @@
 //! ```
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
-use half::bf16;
 
-use super::matmul::{Operand, products_f32, products_f64};
+use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, values, widen};
+use super::matmul::Operand;
 
 /// `x · wᵀ + b` for `x` (…, in), `w` (out, in) (torch's layout), `b` (out).
 /// Differentiable in all three.
@@ -30,21 +30,6 @@ fn matrix(offset: usize, rows: usize, cols: usize, transposed: bool) -> Operand 
     match transposed {
         false => Operand { batch_offsets: vec![offset], rows, cols, row_stride: cols, col_stride: 1 },
         true => Operand { batch_offsets: vec![offset], rows: cols, cols: rows, row_stride: 1, col_stride: cols },
-    }
-}
-
-/// The arithmetic in one precision (bf16 runs in f32, rounding where the composed ops round).
-trait Calc: Copy + Default + std::ops::Add<Output = Self> + std::ops::AddAssign + 'static {
-    fn mm(a: &Operand, x: &[Self], b: &Operand, y: &[Self]) -> Vec<Self>;
-}
-impl Calc for f32 {
-    fn mm(a: &Operand, x: &[f32], b: &Operand, y: &[f32]) -> Vec<f32> {
-        products_f32(a, x, b, y)
-    }
-}
-impl Calc for f64 {
-    fn mm(a: &Operand, x: &[f64], b: &Operand, y: &[f64]) -> Vec<f64> {
-        products_f64(a, x, b, y)
     }
 }
 
@@ -85,23 +70,6 @@ fn backward<T: Calc>(
     (dx, dw, db)
 }
 
-fn to_bf16(v: &mut [f32]) {
-    v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
-}
-
-fn slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    let Some((a, b)) = l.contiguous_offsets() else { bail!("linear needs contiguous operands") };
-    Ok(&s.as_slice::<T>()?[a..b])
-}
-
-fn widen(x: &[bf16]) -> Vec<f32> {
-    x.iter().map(|v| v.to_f32()).collect()
-}
-
-fn narrow(x: Vec<f32>) -> Vec<bf16> {
-    x.into_iter().map(bf16::from_f32).collect()
-}
-
 /// The three gradients as tensors: dx like x, dw (out, in), db (out).
 fn tensors<T: candle_core::WithDType>(
     (dx, dw, db): (Vec<T>, Vec<T>, Vec<T>),
@@ -118,7 +86,9 @@ fn tensors<T: candle_core::WithDType>(
 
 /// (rows, in, out) from the shapes, checked.
 fn dims(x: &[usize], w: &[usize], b: &[usize]) -> Result<(usize, usize, usize)> {
-    let (&n_in, lead) = x.split_last().unwrap_or((&0, &[]));
+    nonempty(x, "linear")?;
+    nonempty(w, "linear")?;
+    let (&n_in, lead) = x.split_last().expect("nonempty: x has a last dimension");
     match (w, b) {
         (&[n_out, wi], &[bo]) if wi == n_in && bo == n_out => Ok((lead.iter().product(), n_in, n_out)),
         _ => bail!("linear: x {x:?} needs w of (out, {n_in}) and b of (out), got {w:?} and {b:?}"),
@@ -141,15 +111,27 @@ impl CustomOp3 for Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1.dims(), l2.dims(), l3.dims())?;
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                CpuStorage::F32(forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?, d, |_| {}))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => {
-                CpuStorage::F64(forward(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?, d, |_| {}))
-            }
+            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(forward(
+                values(s1, l1, "linear")?,
+                values(s2, l2, "linear")?,
+                values(s3, l3, "linear")?,
+                d,
+                |_| {},
+            )),
+            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(forward(
+                values(s1, l1, "linear")?,
+                values(s2, l2, "linear")?,
+                values(s3, l3, "linear")?,
+                d,
+                |_| {},
+            )),
             (CpuStorage::BF16(_), CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
-                let (x, w, b) = (widen(slice(s1, l1)?), widen(slice(s2, l2)?), widen(slice(s3, l3)?));
-                CpuStorage::BF16(narrow(forward(&x, &w, &b, d, to_bf16)))
+                let (x, w, b) = (
+                    widen(values(s1, l1, "linear")?),
+                    widen(values(s2, l2, "linear")?),
+                    widen(values(s3, l3, "linear")?),
+                );
+                CpuStorage::BF16(narrow(forward(&x, &w, &b, d, round_to_bf16)))
             }
             _ => bail!(
                 "linear: operands of one dtype, f32, bf16 or f64, got {:?}, {:?}, {:?}",
@@ -176,22 +158,38 @@ impl CustomOp3 for Linear {
         let (sx, lx) = x.storage_and_layout();
         let (sw, lw) = w.storage_and_layout();
         let (sg, lg) = grad.storage_and_layout();
-        let (candle_core::Storage::Cpu(sx), candle_core::Storage::Cpu(sw), candle_core::Storage::Cpu(sg)) =
-            (&*sx, &*sw, &*sg)
-        else {
-            bail!("linear runs on the CPU")
-        };
+        let (sx, sw, sg) = (cpu(&sx, "linear")?, cpu(&sw, "linear")?, cpu(&sg, "linear")?);
         let shape = lx.shape().clone();
         let (dx, dw, db) = match x.dtype() {
-            DType::F32 => {
-                tensors(backward::<f32>(slice(sx, lx)?, slice(sw, lw)?, slice(sg, lg)?, d, |_| {}), shape, d)?
-            }
-            DType::F64 => {
-                tensors(backward::<f64>(slice(sx, lx)?, slice(sw, lw)?, slice(sg, lg)?, d, |_| {}), shape, d)?
-            }
+            DType::F32 => tensors(
+                backward::<f32>(
+                    values(sx, lx, "linear")?,
+                    values(sw, lw, "linear")?,
+                    values(sg, lg, "linear")?,
+                    d,
+                    |_| {},
+                ),
+                shape,
+                d,
+            )?,
+            DType::F64 => tensors(
+                backward::<f64>(
+                    values(sx, lx, "linear")?,
+                    values(sw, lw, "linear")?,
+                    values(sg, lg, "linear")?,
+                    d,
+                    |_| {},
+                ),
+                shape,
+                d,
+            )?,
             DType::BF16 => {
-                let (x, w, g) = (widen(slice(sx, lx)?), widen(slice(sw, lw)?), widen(slice(sg, lg)?));
-                let (dx, dw, db) = backward(&x, &w, &g, d, to_bf16);
+                let (x, w, g) = (
+                    widen(values(sx, lx, "linear")?),
+                    widen(values(sw, lw, "linear")?),
+                    widen(values(sg, lg, "linear")?),
+                );
+                let (dx, dw, db) = backward(&x, &w, &g, d, round_to_bf16);
                 tensors((narrow(dx), narrow(dw), narrow(db)), shape, d)?
             }
             dt => bail!("linear supports f32, bf16 and f64, got {dt:?}"),
@@ -202,33 +200,16 @@ impl CustomOp3 for Linear {
 
 #[cfg(test)]
 mod tests {
+    use super::super::common::testing::{bits, random};
     use super::*;
     use crate::kernels::{bias_add, matmul};
     use candle_core::Var;
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = crate::rng::SplitMix64::new(seed);
-        let n = shape.iter().product();
-        Tensor::from_vec((0..n).map(|_| rng.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-    }
 
     /// The same layer from the separate ops: reshape, matmul, bias add, reshape.
     fn composed(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
         let (bs, t, cin) = x.dims3().unwrap();
         let y = bias_add(&matmul(&x.reshape((bs * t, cin)).unwrap(), &w.t().unwrap()).unwrap(), b).unwrap();
         y.reshape((bs, t, w.dims()[0])).unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
     }
 
     /// The fused layer and the composed ops give the same bits, forward and

@@ -14,10 +14,11 @@
 //! | [`layer_norm`] | LayerNorm over the last dimension, forward and backward one pass each | each row's sums over `c = 0, 1, …, C−1`; `dw`, `db` over the rows in order |
 //! | [`linear`] | `x · wᵀ + b`, one op | [`matmul`]'s chains, [`bias_add`]'s row sums: their bits |
 //! | [`bias_add`] | a linear layer's `x + b`; its backward sums the gradient over the rows | `db` over the rows in order |
-//! | [`gelu`] | erf GELU, its backward in one pass | element-wise (`libm`'s `erf`) |
+//! | [`gelu`] | erf GELU, its backward in one pass | element-wise; its own `erf` and `exp` in plain f32 operations |
 //! | [`attention`] | causal self-attention from `c_attn`'s output to the merged heads, one op | [`matmul`]'s chains and [`causal_softmax`]'s rows, rounded where they round: their bits |
-//! | [`causal_softmax`] | `softmax(scale · att + causal mask)` in one pass, and its backward in one | each row's max and sums over the visible keys `k = 0, 1, …, i`, in order |
+//! | [`causal_softmax`] | `softmax(scale · att + causal mask)` in one pass, and its backward in one | each row's max and sums over the visible keys `k = 0, 1, …, i`, in order (glibc's `expf`) |
 mod attention;
+mod common;
 mod layer_norm;
 mod linear;
 mod matmul;

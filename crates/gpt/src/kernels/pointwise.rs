@@ -16,11 +16,13 @@
 //! Cody–Waite reduction with a degree-6 polynomial, both written with plain
 //! IEEE multiplies and adds: no library call, so the compiler vectorises
 //! the loops, and every machine computes the same bits. f64 (the
-//! finite-difference tests) uses `libm`. bf16 is widened, computed in f32
-//! and rounded once.
+//! finite-difference tests) uses `libm`'s `erf` and std's `exp`. bf16 is
+//! widened, computed in f32 and rounded once.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
+
+use super::common::{cpu, nonempty, values};
 
 /// `x + b` with `b` (N) added to every row of `x` (…, N). Differentiable.
 pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -36,11 +38,6 @@ struct BiasAdd;
 struct Gelu;
 /// GELU's backward as an op: (x, g) → dx.
 struct GeluBackward;
-
-fn values<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [T]> {
-    let Some((a, b)) = l.contiguous_offsets() else { bail!("{op} needs contiguous operands") };
-    Ok(&s.as_slice::<T>()?[a..b])
-}
 
 /// `f` on every element of `x` (and `y`), in the dtype's precision; bf16 widened to f32.
 macro_rules! map {
@@ -67,7 +64,8 @@ const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 /// e^x, from plain f32 operations: x = n·ln2 + r with |r| ≤ ln2/2 (ln2
 /// split in two so the reduction is exact), e^r by a degree-6 Taylor
 /// polynomial (relative error below 2e-7 there), 2^n through the exponent
-/// bits. Below −87 (e^x under f32's normal range) the result is 0.
+/// bits. x is clamped to [−87, 88] (2^n stays a normal f32): below, the
+/// result is e^−87 ≈ 1.6e−38, above e^88, never 0 or ∞; a NaN stays NaN.
 #[inline(always)]
 pub(super) fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -168,6 +166,7 @@ impl CustomOp2 for BiasAdd {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        nonempty(l1.dims(), "bias_add")?;
         let n = *l1.dims().last().unwrap_or(&0);
         if l2.dims() != [n] {
             bail!("bias_add: x {:?} needs a bias of ({n}), got {:?}", l1.dims(), l2.dims());
@@ -200,7 +199,7 @@ impl CustomOp2 for BiasAdd {
         let g = grad.contiguous()?;
         let n = b.elem_count();
         let (storage, l) = g.storage_and_layout();
-        let candle_core::Storage::Cpu(s) = &*storage else { bail!("bias_add runs on the CPU") };
+        let s = cpu(&storage, "bias_add")?;
         macro_rules! col_sums {
             ($t:ty, $widen:expr, $round:expr) => {{
                 let mut sum = vec![Default::default(); n];
@@ -223,18 +222,13 @@ impl CustomOp2 for BiasAdd {
 
 #[cfg(test)]
 mod tests {
+    use super::super::common::testing::{self, max_diff};
     use super::*;
     use candle_core::{Device, Var};
 
+    /// Normal values with σ = 2: GELU's curve over its whole bend.
     fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = crate::rng::SplitMix64::new(seed);
-        let n = shape.iter().product();
-        Tensor::from_vec((0..n).map(|_| 2.0 * rng.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
-        d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+        (testing::random(shape, seed) * 2.0).unwrap()
     }
 
     /// Both ops against candle's composites, forward and backward, f64 and f32.
@@ -320,5 +314,10 @@ mod tests {
         let wide = gelu(&x.to_dtype(DType::F32).unwrap()).unwrap().to_dtype(DType::BF16).unwrap();
         assert_eq!(bits(&gelu(&x).unwrap()), bits(&wide));
         assert_eq!(bits(&bias_add(&x, &b).unwrap()), bits(&x.broadcast_add(&b).unwrap()));
+        // GELU's backward too: the f32 one, rounded once.
+        let g = random(&[5, 8], 9).to_dtype(DType::BF16).unwrap();
+        let back = |x: &Tensor, g: &Tensor| x.apply_op2_no_bwd(g, &GeluBackward).unwrap();
+        let wide = back(&x.to_dtype(DType::F32).unwrap(), &g.to_dtype(DType::F32).unwrap());
+        assert_eq!(bits(&back(&x, &g)), bits(&wide.to_dtype(DType::BF16).unwrap()));
     }
 }

@@ -5,8 +5,8 @@
 //! composed from candle's ops that is eight passes over (B, nh, T, T) —
 //! scale, mask add, max, subtract, exp, sum, divide — each into a fresh
 //! tensor the graph keeps, and a backward through each of them, including
-//! a gradient for the mask, a constant. Here the forward keeps one tensor,
-//! its output, and the backward is one pass:
+//! a gradient for the mask, a constant. Here the graph keeps the op's input
+//! and output, nothing between, and the backward is one pass:
 //!
 //! ```text
 //! forward   y[j] = exp(s·x[j] − m) / Σₖ exp(s·x[k] − m)    over the visible keys k ≤ i; 0 beyond
@@ -14,8 +14,9 @@
 //! ```
 //!
 //! Row `i` of each (T, T) matrix is query position `i`, which sees keys
-//! `0..=i`. Each row's max and sums run over `k = 0, 1, …, i` in order, so
-//! the result is the same bits on every machine. bf16 rows are widened to
+//! `0..=i`. Each row's max and sums run over `k = 0, 1, …, i` in order; the
+//! `exp` is glibc's `expf`, so the bits are those of every x86-64 CPU with
+//! AVX2 and FMA under Debian 12's glibc (see the introduction). bf16 rows are widened to
 //! f32, computed in f32 and rounded once; f32 and f64 compute in their own
 //! precision.
 use candle_core::backend::BackendStorage;
@@ -40,6 +41,7 @@ struct CausalSoftmaxBackward {
 /// The rows of a contiguous (…, T, T) tensor: (T, its values from the start offset).
 fn rows(l: &Layout) -> Result<(usize, std::ops::Range<usize>)> {
     let d = l.dims();
+    super::common::nonempty(d, "causal_softmax")?;
     if d.len() < 2 || d[d.len() - 1] != d[d.len() - 2] {
         bail!("causal_softmax needs (…, T, T) scores, got {d:?}");
     }
@@ -170,14 +172,9 @@ impl CustomOp2 for CausalSoftmaxBackward {
 
 #[cfg(test)]
 mod tests {
+    use super::super::common::testing::{max_diff, random};
     use super::*;
     use candle_core::{D, DType, Device, Var};
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = crate::rng::SplitMix64::new(seed);
-        let n = shape.iter().product();
-        Tensor::from_vec((0..n).map(|_| rng.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-    }
 
     /// nanoGPT's three ops, composed from candle's: scale, mask with −∞, softmax.
     fn composite(att: &Tensor, scale: f64) -> Tensor {
@@ -186,11 +183,6 @@ mod tests {
         let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap().to_dtype(att.dtype()).unwrap();
         let att = (att * scale).unwrap().broadcast_add(&mask).unwrap();
         candle_nn::ops::softmax(&att, D::Minus1).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
-        d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
     }
 
     /// The fused op computes what the composite computes, and so does its
@@ -249,5 +241,10 @@ mod tests {
             t.flatten_all().unwrap().to_vec1::<bf16>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
         assert_eq!(bits(&out), bits(&wide));
+        // The backward too, from the same (y, g): the f32 one, rounded once.
+        let g = random(&[2, 2, 9, 9], 6).to_dtype(DType::BF16).unwrap();
+        let back = |y: &Tensor, g: &Tensor| y.apply_op2_no_bwd(g, &CausalSoftmaxBackward { scale: 0.5 }).unwrap();
+        let wide = back(&out.to_dtype(DType::F32).unwrap(), &g.to_dtype(DType::F32).unwrap());
+        assert_eq!(bits(&back(&out, &g)), bits(&wide.to_dtype(DType::BF16).unwrap()));
     }
 }

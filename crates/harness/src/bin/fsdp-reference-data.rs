@@ -11,14 +11,19 @@
 //! - `batches.u32`: every step's global batch, little-endian u32, shaped
 //!   (steps, M, 2, B, T): each micro-batch's inputs, then its targets;
 //! - `corpus.u32`: the training text as token ids (what `fsdp-eval` reads);
-//! - `meta.json`: the model shape, B, T, M, the steps and AdamW's settings.
+//! - `meta.json`: the model shape, B, T, M, the steps, AdamW's settings, and
+//!   the norm of step 1's mean gradient at the initial weights, computed by
+//!   the project's model in one process (what every outside trainer must
+//!   reproduce at every world size: a sum instead of a mean would not).
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
+use candle_core::Tensor;
 use clap::Parser;
-use fsdp_gpt::{AdamWConfig, Corpus, GptConfig, ParamTable, Sampler};
+use fsdp_gpt::{AdamWConfig, Gpt, GptConfig, ParamTable, Sampler};
 use fsdp_harness::TrainArgs;
+use fsdp_harness::session::{DEFAULT_MICRO_BATCHES, training_data};
 
 /// Writes a lesson run's initial weights and batches for an outside reference.
 #[derive(Debug, Parser)]
@@ -35,26 +40,24 @@ fn main() -> ExitCode {
 fn run(args: Args) -> anyhow::Result<()> {
     let a = args.train;
     let out = a.out.clone().context("pass --out DIR: the folder to write the reference data into")?;
-    let corpus = match &a.data {
-        Some(p) => Corpus::from_file(&p.display().to_string())?,
-        None => Corpus::generated(),
-    };
-    let cfg = GptConfig::preset(&a.preset, corpus.vocab.len())?;
-    let seq_len = a.seq_len.map_or(cfg.block_size, |t| t as usize);
-    if seq_len > cfg.block_size {
-        bail!("--seq-len {seq_len} exceeds the {} preset's block size {}", a.preset, cfg.block_size);
+    let ignored = [
+        ("--resume", a.resume.is_some()),
+        ("--ckpt", a.ckpt.is_some()),
+        ("--save-every", a.save_every.is_some()),
+        ("--mem-budget", a.mem_budget.is_some()),
+        ("--sum-groups", a.sum_groups.is_some()),
+    ];
+    if let Some((flag, _)) = ignored.iter().find(|(_, given)| *given) {
+        bail!("{flag} does not apply: the reference data is the seed's start and batches; leave {flag} out");
     }
-    let m = a.micro_batches.unwrap_or(4) as usize; // the lessons' default
-    let sampler = Sampler::new(&corpus, a.batch_size as usize, seq_len, m, a.seed)?;
+    let m = a.micro_batches.map_or(DEFAULT_MICRO_BATCHES, |m| m as usize);
+    let (corpus, cfg, sampler) = training_data(&a, m)?;
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create --out folder {}", out.display()))?;
 
     let table = ParamTable::new(&cfg);
-    fsdp_gpt::weights_file::save(
-        &out.join("init.safetensors"),
-        &cfg,
-        &corpus.vocab_string(),
-        &table.init_flat(a.seed),
-    )?;
+    let init = table.init_flat(a.seed);
+    fsdp_gpt::weights_file::save(&out.join("init.safetensors"), &cfg, &corpus.vocab_string(), &init)?;
+    let grad_norm = first_step_grad_norm(cfg, &table, &init, &sampler)?;
 
     let mut batches = Vec::with_capacity(a.steps as usize * sampler.tokens_per_step() * 2 * 4);
     for step in 1..=a.steps {
@@ -82,7 +85,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         "n_embd": cfg.n_embd,
         "params": table.numel(),
         "batch_size": a.batch_size,
-        "seq_len": seq_len,
+        "seq_len": sampler.seq_len,
         "micro_batches": m,
         "steps": a.steps,
         "lr": adamw.lr,
@@ -90,6 +93,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         "beta2": adamw.beta2,
         "eps": adamw.eps,
         "weight_decay": adamw.weight_decay,
+        "step1_grad_norm": grad_norm,
     });
     write("meta.json", serde_json::to_string_pretty(&meta)?.as_bytes())?;
     println!(
@@ -100,8 +104,24 @@ fn run(args: Args) -> anyhow::Result<()> {
         a.steps,
         m,
         a.batch_size,
-        seq_len,
+        sampler.seq_len,
         corpus.tokens.len()
     );
     Ok(())
+}
+
+/// ‖g‖ of step 1's mean gradient over all M micro-batches, at `init`: one
+/// process, one backward per micro-batch, summed, divided by M.
+fn first_step_grad_norm(cfg: GptConfig, table: &ParamTable, init: &[f32], sampler: &Sampler) -> anyhow::Result<f64> {
+    let model = Gpt::new(cfg);
+    let vars = model.vars_from_flat(table, init)?;
+    let params: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let mut sum = vec![0f32; table.numel()];
+    for k in 0..sampler.micro_batches {
+        let b = sampler.micro_batch(1, k)?;
+        let loss = fsdp_gpt::model::loss(&model.forward(table, &params, &b.inputs)?, &b.targets)?;
+        fsdp_gpt::model::add_grads(&loss.backward()?, &vars, &mut sum)?;
+    }
+    let m = sampler.micro_batches as f64;
+    Ok(sum.iter().map(|&g| (g as f64 / m).powi(2)).sum::<f64>().sqrt())
 }

@@ -1,0 +1,105 @@
+//! What the fused kernels share: a contiguous operand's values, bf16 widened
+//! to f32 and rounded back, and their arithmetic in one precision.
+use candle_core::{CpuStorage, Layout, Result, Storage, bail};
+use half::bf16;
+
+use super::matmul::{Operand, products_f32, products_f64};
+use super::softmax::{backward_f32, backward_f64, forward_f32, forward_f64};
+
+/// The values of a contiguous operand, from its start offset.
+pub(super) fn values<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [T]> {
+    let Some((a, b)) = l.contiguous_offsets() else { bail!("{op} needs contiguous operands") };
+    Ok(&s.as_slice::<T>()?[a..b])
+}
+
+/// A tensor's storage on the CPU, the only device the kernels run on.
+pub(super) fn cpu<'a>(s: &'a Storage, op: &str) -> Result<&'a CpuStorage> {
+    match s {
+        Storage::Cpu(s) => Ok(s),
+        #[allow(unreachable_patterns)]
+        _ => bail!("{op} runs on the CPU"),
+    }
+}
+
+/// bf16 → f32, exactly.
+pub(super) fn widen(x: &[bf16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
+/// f32 → bf16, rounded to nearest-even.
+pub(super) fn narrow(x: Vec<f32>) -> Vec<bf16> {
+    x.into_iter().map(bf16::from_f32).collect()
+}
+
+/// Round f32 values to bf16's precision in place: where a bf16 op composed
+/// of candle ops would round its output.
+pub(super) fn round_to_bf16(v: &mut [f32]) {
+    v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+}
+
+/// Fails on a zero-sized dimension: the kernels walk rows by their length.
+pub(super) fn nonempty(dims: &[usize], op: &str) -> Result<()> {
+    if dims.is_empty() || dims.contains(&0) {
+        bail!("{op}: a tensor of shape {dims:?} has nothing to compute");
+    }
+    Ok(())
+}
+
+/// The arithmetic in one precision: f32 (also bf16's, rounding where the
+/// composed ops round) or f64 (the finite-difference tests).
+pub(super) trait Calc:
+    Copy + Default + std::ops::Add<Output = Self> + std::ops::AddAssign + Send + Sync + 'static
+{
+    fn mm(a: &Operand, x: &[Self], b: &Operand, y: &[Self]) -> Vec<Self>;
+    fn softmax_row(x: &[Self], y: &mut [Self], i: usize, scale: f64);
+    fn softmax_backward_row(y: &[Self], g: &[Self], dx: &mut [Self], i: usize, scale: f64);
+}
+
+impl Calc for f32 {
+    fn mm(a: &Operand, x: &[f32], b: &Operand, y: &[f32]) -> Vec<f32> {
+        products_f32(a, x, b, y)
+    }
+    fn softmax_row(x: &[f32], y: &mut [f32], i: usize, scale: f64) {
+        forward_f32(x, y, i, scale as f32)
+    }
+    fn softmax_backward_row(y: &[f32], g: &[f32], dx: &mut [f32], i: usize, scale: f64) {
+        backward_f32(y, g, dx, i, scale as f32)
+    }
+}
+
+impl Calc for f64 {
+    fn mm(a: &Operand, x: &[f64], b: &Operand, y: &[f64]) -> Vec<f64> {
+        products_f64(a, x, b, y)
+    }
+    fn softmax_row(x: &[f64], y: &mut [f64], i: usize, scale: f64) {
+        forward_f64(x, y, i, scale)
+    }
+    fn softmax_backward_row(y: &[f64], g: &[f64], dx: &mut [f64], i: usize, scale: f64) {
+        backward_f64(y, g, dx, i, scale)
+    }
+}
+
+/// Test helpers the kernels' tests share.
+#[cfg(test)]
+pub(super) mod testing {
+    use candle_core::{DType, Device, Tensor};
+
+    /// Standard normal values (f64) of `shape`, from `seed`.
+    pub fn random(shape: &[usize], seed: u64) -> Tensor {
+        let mut rng = crate::rng::SplitMix64::new(seed);
+        let n = shape.iter().product();
+        Tensor::from_vec((0..n).map(|_| rng.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
+    }
+
+    /// Every value's bits (as f64: exact for f32 and bf16).
+    pub fn bits(t: &Tensor) -> Vec<u64> {
+        let v: Vec<f64> = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        v.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// max |a − b|, in f64.
+    pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+        d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+    }
+}
