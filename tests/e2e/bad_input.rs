@@ -155,3 +155,33 @@ fn a_setup_failure_on_another_rank_is_one_line() {
     );
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
 }
+
+#[test]
+fn head_grad_outside_stage_3() {
+    let e = fails("step04-optimizer-state-shard", 2, &["--stage", "2", "--head-grad", "keep"], "bad-head-grad");
+    assert_eq!(e, "error: --head-grad keep applies to stage 3 (lesson 03's schedule): leave it out at --stage 2");
+}
+
+#[test]
+fn unknown_head_grad() {
+    let e = fails("step03-layerwise-shard", 2, &["--head-grad", "sometimes"], "bad-head-grad-word");
+    assert!(e.contains("pass keep or recompute"), "{e}");
+}
+
+/// The reference data is the seed's start: a checkpoint flag would be ignored, so it is refused.
+#[test]
+fn reference_data_refuses_what_it_would_ignore() {
+    let out = out_dir("bad-reference-data");
+    let o = std::process::Command::new(binary("fsdp-reference-data"))
+        .args(["--resume", "somewhere", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let (code, lines) = failure(&o);
+    assert_eq!(code, 2, "{lines:?}");
+    assert_eq!(
+        lines,
+        ["error: --resume does not apply: the reference data is the seed's start and batches; leave --resume out"]
+    );
+    assert!(std::fs::read_dir(&out).unwrap().next().is_none(), "nothing written");
+}
