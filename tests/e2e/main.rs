@@ -7,6 +7,7 @@ mod common;
 mod bad_input;
 mod book;
 mod checkpoint;
+mod clip;
 mod lesson01;
 mod lesson02;
 mod lesson03;

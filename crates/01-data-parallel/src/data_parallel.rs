@@ -96,6 +96,7 @@ impl DataParallel {
         };
         let (m, grads) = (s.sampler.micro_batches, &mut grads[..numel]);
         scale(grads, m);
+        s.clip_whole(grads); // --grad-clip: every rank holds the whole gradient
 
         // 3. update: the same AdamW step on every rank
         self.opt.step(&mut self.params, grads);
@@ -126,6 +127,7 @@ impl DataParallel {
         total.copy_from_slice(parts[0]);
         let m = s.sampler.micro_batches;
         scale(&mut total, m);
+        s.clip_whole(&mut total);
         self.opt.step(&mut self.params, &total);
         Ok((loss_sum / m as f64) as f32)
     }

@@ -121,6 +121,7 @@ impl WholeModelShard {
         let grads = w.all_reduce_sum(&mut self.grads, &mut self.grad_shard);
         let inv = 1.0 / s.sampler.micro_batches as f32;
         grads.iter_mut().for_each(|g| *g *= inv);
+        s.clip_whole(&mut grads[..numel]); // --grad-clip: the all-reduce left the whole gradient here
         tl.mark("all-reduce the gradient");
 
         // 4. update: AdamW on my shard only

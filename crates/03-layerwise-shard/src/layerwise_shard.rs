@@ -232,10 +232,8 @@ impl LayerwiseShard {
             }
         }
         // 4. update: AdamW on my shard of every unit, with the mean gradient
-        let inv = 1.0 / s.sampler.micro_batches as f32;
-        for u in &mut self.units {
-            u.update(w, inv)?;
-        }
+        // (clipped by its global norm under --grad-clip)
+        crate::units::update_all(&mut self.units, s, 1.0 / s.sampler.micro_batches as f32)?;
         tl.mark("AdamW on my shards");
         Ok((w.sum_f64(&[c.loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
     }

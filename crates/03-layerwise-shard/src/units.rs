@@ -11,12 +11,12 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{MicroBatchSum, ShardLayout, World};
+use fsdp_comm::{ExactSquares, MicroBatchSum, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
-use fsdp_harness::Start;
 use fsdp_harness::checkpoint::ShardPiece;
+use fsdp_harness::{Session, Start};
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
@@ -226,10 +226,13 @@ impl FsdpUnit {
         w.reduce_scatter_sum(grads, &mut self.grad);
     }
 
-    /// AdamW on my shard, with the gradient scaled by `inv` (1 / micro-batches);
-    /// a kept unsharded copy is then refreshed by an all-gather of the new weights.
-    pub fn update(&mut self, w: &World, inv: f32) -> candle_core::Result<()> {
-        self.grad.iter_mut().for_each(|g| *g *= inv);
+    /// AdamW on my shard, with the gradient scaled by `f` (the mean's 1/M
+    /// already applied: [`update_all`]); a kept unsharded copy is then
+    /// refreshed by an all-gather of the new weights.
+    pub fn update(&mut self, w: &World, f: Option<f32>) -> candle_core::Result<()> {
+        if let Some(f) = f {
+            self.grad.iter_mut().for_each(|g| *g *= f);
+        }
         self.opt.step(&mut self.master, &self.grad);
         if self.unsharded.is_some() {
             self.unsharded = None; // free the old copy before the new one arrives
@@ -300,3 +303,21 @@ pub fn build_units(
         .map(|(name, params)| FsdpUnit::new(table, name, params, start, world, adamw, policy))
         .collect()
 }
+
+// ANCHOR: update_all
+/// The update of every unit: the mean gradient (× `inv`, 1/M), clipped
+/// under `--grad-clip` by the global norm over every unit's shard (one
+/// exact sum gathered from the ranks), then AdamW on each shard.
+pub fn update_all(units: &mut [FsdpUnit], s: &Session, inv: f32) -> candle_core::Result<()> {
+    let mut squares = ExactSquares::default();
+    for u in units.iter_mut() {
+        u.grad.iter_mut().for_each(|g| *g *= inv);
+        squares.merge(&ExactSquares::of(&u.grad));
+    }
+    let f = s.clip_factor(squares, s.world.size() > 1);
+    for u in units.iter_mut() {
+        u.update(s.world, f)?;
+    }
+    Ok(())
+}
+// ANCHOR_END: update_all

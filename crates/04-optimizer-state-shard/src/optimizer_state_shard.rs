@@ -25,7 +25,7 @@ use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start};
 use step03_layerwise_shard::tally::lower_peak;
-use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units};
+use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, update_all};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 /// One rank's share of the training state at ZeRO stage `stage`.
@@ -105,10 +105,7 @@ fn whole_model_step(
     tl.mark("reduce-scatter the gradient");
 
     // 3. AdamW on my fp32 shard; 4. all-gather the new compute copy (inside `update`)
-    let inv = 1.0 / s.sampler.micro_batches as f32;
-    for u in units.iter_mut() {
-        u.update(w, inv)?;
-    }
+    update_all(units, s, 1.0 / s.sampler.micro_batches as f32)?;
     tl.mark("AdamW on my shard, all-gather the new weights");
     Ok((w.sum_f64(&[loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
 }
@@ -158,10 +155,7 @@ fn blockwise_step(
     drop(vars);
 
     // AdamW on my fp32 shard; all-gather the new compute copy (inside `update`).
-    let inv = 1.0 / s.sampler.micro_batches as f32;
-    for u in units.iter_mut() {
-        u.update(w, inv)?;
-    }
+    update_all(units, s, 1.0 / s.sampler.micro_batches as f32)?;
     tl.mark("AdamW on my shard, all-gather the new weights");
     Ok((w.sum_f64(&[loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
 }

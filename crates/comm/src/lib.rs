@@ -13,6 +13,8 @@
 //!   size dividing M gives the bits of one rank. MPI's own reductions pick
 //!   summation trees that differ between collectives and world sizes; the
 //!   native all-reduce stays available ([`World::all_reduce_native`]) for comparison.
+//! - [`ExactSquares`]: a sum of squares no split or order changes — the
+//!   global gradient norm for `--grad-clip`, the same bits at every world size.
 //! - [`ShardLayout`]: who owns which slice of a flat vector, as pure arithmetic.
 //! - [`Traffic`]: calls, bytes and wall time per collective kind.
 //!
@@ -25,11 +27,13 @@
 //! assert_eq!(layout.real_len(3), 1);
 //! ```
 
+pub mod exact;
 pub mod layout;
 pub mod reduce;
 pub mod traffic;
 pub mod world;
 
+pub use exact::ExactSquares;
 pub use layout::{ShardInfo, ShardLayout};
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
 pub use mpi::traits::Equivalence;

@@ -13,10 +13,13 @@ pub enum Collective {
     AllReduce,
     /// Small control messages: loss averages, digests, error agreement.
     Control,
+    /// `--grad-clip`: every rank's exact sum of squares of its gradient shard.
+    GradNorm,
 }
 
 impl Collective {
-    pub const ALL: [Collective; 4] = [Self::AllGather, Self::ReduceScatter, Self::AllReduce, Self::Control];
+    pub const ALL: [Collective; 5] =
+        [Self::AllGather, Self::ReduceScatter, Self::AllReduce, Self::Control, Self::GradNorm];
 
     pub fn name(&self) -> &'static str {
         match self {
@@ -24,6 +27,7 @@ impl Collective {
             Self::ReduceScatter => "reduce_scatter",
             Self::AllReduce => "all_reduce",
             Self::Control => "control",
+            Self::GradNorm => "grad_norm",
         }
     }
 }

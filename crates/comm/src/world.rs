@@ -7,6 +7,7 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
 use thiserror::Error;
 
+use crate::ExactSquares;
 use crate::layout::ShardLayout;
 use crate::reduce::{MicroBatchSum, sum_pairwise};
 use crate::traffic::{Collective, Traffic};
@@ -259,6 +260,24 @@ impl World {
             }
         });
         buf
+    }
+
+    /// The exact sum of every rank's [`ExactSquares`]: an all-gather of 56
+    /// bytes per rank, merged on every rank (in any order: the same bits).
+    pub fn exact_sum(&self, mine: &ExactSquares) -> ExactSquares {
+        let words = mine.to_words();
+        let mut all = vec![0u64; words.len() * self.size];
+        let bytes = (self.size - 1) * std::mem::size_of_val(&words);
+        self.timed(Collective::GradNorm, bytes, bytes, || {
+            if self.size == 1 {
+                all.copy_from_slice(&words);
+            } else {
+                self.comm.all_gather_into(&words[..], &mut all[..]);
+            }
+        });
+        let mut total = ExactSquares::default();
+        all.chunks_exact(ExactSquares::WORDS).for_each(|w| total.merge(&ExactSquares::from_words(w)));
+        total
     }
 
     /// Sum of a few `f64` control values (losses, counters) in rank order.

@@ -29,6 +29,12 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0.01, value_parser = non_negative_f32)]
     pub weight_decay: f32,
 
+    /// Clip the gradient by its global norm (torch's `clip_grad_norm_`):
+    /// scale the mean gradient by min(1, C / (‖g‖ + 1e-6)). ‖g‖ is summed
+    /// exactly over every shard, so every lesson and world size gets the same bits.
+    #[arg(long, value_name = "C", value_parser = positive_f32)]
+    pub grad_clip: Option<f32>,
+
     /// Sequences per micro-batch (B).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub batch_size: u32,

@@ -200,6 +200,14 @@ impl<'a, 'w> Report<'a, 'w> {
         self
     }
 
+    /// [`Report::expect_traffic`] when there is an expectation (a flag that is on).
+    pub fn expect_traffic_if(&mut self, kind: Collective, bytes_per_step: Option<u64>) -> &mut Self {
+        if let Some(b) = bytes_per_step {
+            self.expected.push((kind, b));
+        }
+        self
+    }
+
     /// Report this traffic instead of the world's at `finish` — e.g. taken
     /// before a final gather that is not part of training.
     pub fn traffic(&mut self, traffic: fsdp_comm::Traffic) -> &mut Self {
@@ -325,6 +333,7 @@ impl<'a, 'w> Report<'a, 'w> {
             "resume_notes": s.resume_notes,
             "tokens_per_step": s.sampler.tokens_per_step(),
             "losses": self.run.losses,
+            "grad_norms": self.run.grad_norms,
             "final_loss": final_loss,
             "tokens_per_second": self.run.tokens_per_second(),
             "median_step_seconds": self.run.median_step_seconds(),

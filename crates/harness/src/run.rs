@@ -19,6 +19,8 @@ pub struct Run {
     step_started: Instant,
     /// Mean loss over the global batch, per step.
     pub losses: Vec<f32>,
+    /// `--grad-clip`: each step's gradient norm before clipping.
+    pub grad_norms: Vec<f64>,
     /// Wall seconds per step.
     pub step_seconds: Vec<f64>,
     /// Live heap when training started (data, runtime, the lesson's state).
@@ -58,6 +60,7 @@ impl Run {
             started: Instant::now(),
             step_started: Instant::now(),
             losses: vec![],
+            grad_norms: vec![],
             step_seconds: vec![],
             baseline_live: crate::alloc::live_bytes(),
             setup_peak,
@@ -67,13 +70,19 @@ impl Run {
     }
 
     /// Records step `step`'s mean loss; prints a line every `--log-every` steps.
-    pub fn step_done(&mut self, step: u64, loss: f32) {
+    /// A step ended: its loss and, under `--grad-clip`, (‖g‖ before clipping, C).
+    pub fn step_done(&mut self, step: u64, loss: f32, grad_norm: Option<(f64, f32)>) {
         let secs = self.step_started.elapsed().as_secs_f64();
         self.step_started = Instant::now();
         self.losses.push(loss);
         self.step_seconds.push(secs);
         let tps = self.tokens_per_step as f64 / secs;
-        let line = format!("step {step:>5}/{} | loss {loss:.6} | {} tok/s", self.steps, thousands(tps as u64));
+        let mut line = format!("step {step:>5}/{} | loss {loss:.6} | {} tok/s", self.steps, thousands(tps as u64));
+        if let Some((norm, c)) = grad_norm {
+            self.grad_norms.push(norm);
+            let clipped = if norm > c as f64 { format!(", clipped to {c}") } else { String::new() };
+            line += &format!(" | grad norm {norm:.4}{clipped}");
+        }
         if let Some(b) = &self.bar {
             b.set_message(format!("loss {loss:.4} · {} tok/s", thousands(tps as u64)));
             b.inc(1);

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use candle_core::{Tensor, Var};
-use fsdp_comm::{MicroBatchSum, SumGroups, World};
+use fsdp_comm::{ExactSquares, MicroBatchSum, SumGroups, World};
 use fsdp_gpt::Unit;
 use fsdp_gpt::blockwise::{self, Grads};
 use fsdp_gpt::memory::{Footprint, ModelShapes};
@@ -46,6 +46,8 @@ pub struct Session<'w> {
     /// `--resume`: what this run does differently from an uninterrupted one
     /// (another summation order, another global batch), one line each.
     pub resume_notes: Vec<String>,
+    /// `--grad-clip`: this step's gradient norm before clipping, for the log and the report.
+    pub grad_norm: std::cell::Cell<Option<f64>>,
 }
 
 /// `--micro-batches` when neither the flag nor a checkpoint says.
@@ -233,9 +235,42 @@ impl<'w> Session<'w> {
             resumed_from,
             this_run,
             resume_notes,
+            grad_norm: std::cell::Cell::new(None),
         };
         Ok((s, start))
     }
+
+    // ANCHOR: clip
+    /// `--grad-clip C`: the factor to scale the mean gradient by, min(1,
+    /// C / (‖g‖ + 1e-6)) as torch's `clip_grad_norm_`, from `mine`, the exact
+    /// sum of squares of the gradient elements this rank holds. When other
+    /// ranks hold the rest (`sharded`), the ranks' sums are gathered — one
+    /// 56-byte message per rank, the only step of the update that is not
+    /// elementwise. Exact sums need no agreed order: every lesson, at every
+    /// world size, gets the same ‖g‖ and the same factor. `None` without the flag.
+    pub fn clip_factor(&self, mine: ExactSquares, sharded: bool) -> Option<f32> {
+        let c = self.args.grad_clip?;
+        let total = if sharded { self.world.exact_sum(&mine) } else { mine };
+        let norm = total.norm();
+        self.grad_norm.set(Some(norm));
+        Some((c as f64 / (norm + 1e-6)).min(1.0) as f32)
+    }
+
+    /// Bytes one rank sends per step for `--grad-clip` when the gradient is
+    /// sharded: its exact sum to N − 1 ranks (`None` without the flag).
+    pub fn clip_traffic(&self, sharded: bool) -> Option<u64> {
+        self.args
+            .grad_clip
+            .map(|_| if sharded { ((self.world.size() - 1) * ExactSquares::WORDS * 8) as u64 } else { 0 })
+    }
+
+    /// [`Session::clip_factor`] for a rank that holds the whole mean gradient: clips it in place.
+    pub fn clip_whole(&self, grads: &mut [f32]) {
+        if let Some(f) = self.clip_factor(ExactSquares::of(grads), false) {
+            grads.iter_mut().for_each(|g| *g *= f);
+        }
+    }
+    // ANCHOR_END: clip
 
     /// An empty sum of my micro-batches' gradients (vectors of `len`
     /// elements), formed in the step's one summation order.
@@ -495,7 +530,7 @@ impl<'w> Session<'w> {
         loss: f32,
         pieces: impl FnOnce() -> Vec<crate::checkpoint::ShardPiece<'a>>,
     ) -> anyhow::Result<()> {
-        run.step_done(step, loss);
+        run.step_done(step, loss, self.grad_norm.take().map(|n| (n, self.args.grad_clip.unwrap_or(f32::INFINITY))));
         self.check_memory_budget(step)?;
         let stop = crate::stop::agreed(self.world);
         let save = self.checkpoint_due(step) || (stop.is_some() && self.args.ckpt.is_some());
@@ -614,6 +649,12 @@ impl<'w> Session<'w> {
             format!("lr {}, betas ({}, {}), eps {:e}, weight decay {}", a.lr, a.beta1, a.beta2, a.eps, a.weight_decay),
         ]);
         t.row(["seed".to_string(), self.args.seed.to_string()]);
+        if let Some(c) = self.args.grad_clip {
+            t.row([
+                "gradient clipping".to_string(),
+                format!("by the global norm to {c} (its sum of squares exact over every shard)"),
+            ]);
+        }
         if let Some(b) = self.args.mem_budget {
             t.row([
                 "memory budget per rank".to_string(),
