@@ -65,8 +65,9 @@ def main():
     assert m % world == 0, f"{m} micro-batches do not divide among {world} ranks"
     mine = range(rank * m // world, (rank + 1) * m // world)
     model = gpt.load(f"{a.data}/init.safetensors")
-    adamw = dict(lr=meta["lr"], betas=(meta["beta1"], meta["beta2"]), eps=meta["eps"], weight_decay=meta["weight_decay"])
-    step_fn = {"ddp": ddp, "fsdp2": fsdp2, "toy": toy}[a.mode](model, adamw, world, rank)
+    adamw = dict(lr=meta["lr"], betas=(meta["beta1"], meta["beta2"]), eps=meta["eps"])
+    wd = meta["weight_decay"]
+    step_fn = {"ddp": ddp, "fsdp2": fsdp2, "toy": toy}[a.mode](model, adamw, wd, world, rank)
 
     losses, seconds, norm = [], [], None
     for s in range(meta["steps"]):
@@ -115,11 +116,20 @@ def micro_batch_losses(model, micro, per_rank, sync=lambda last: nullcontext()):
     return total
 
 
-def ddp(model, adamw, world, rank):
+def groups(params, wd):
+    """nanoGPT's rule, as the lessons: weight decay on tensors of 2+ dimensions only."""
+    params = list(params)
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def ddp(model, adamw, wd, world, rank):
     from torch.nn.parallel import DistributedDataParallel
 
     net = DistributedDataParallel(model)  # averages gradients over the ranks
-    opt = torch.optim.AdamW(net.parameters(), **adamw)
+    opt = torch.optim.AdamW(groups(net.parameters(), wd), **adamw)
 
     def step(micro, per_rank, want_norm):
         opt.zero_grad(set_to_none=True)
@@ -131,7 +141,7 @@ def ddp(model, adamw, world, rank):
     return step
 
 
-def fsdp2(model, adamw, world, rank):
+def fsdp2(model, adamw, wd, world, rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -139,7 +149,7 @@ def fsdp2(model, adamw, world, rank):
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root: embeddings, ln_f, the tied head
-    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    opt = torch.optim.AdamW(groups(model.parameters(), wd), **adamw)  # DTensors keep their dims
 
     @contextmanager
     def sync(last):
@@ -156,7 +166,7 @@ def fsdp2(model, adamw, world, rank):
     return step
 
 
-def toy(model, adamw, world, rank):
+def toy(model, adamw, wd, world, rank):
     params = list(model.parameters())  # the tied weight once
     numel = sum(q.numel() for q in params)
     shard_len = -(-numel // world)  # padded to a multiple of N
@@ -164,7 +174,15 @@ def toy(model, adamw, world, rank):
     flat = torch.zeros(padded)
     flat[:numel] = torch.cat([q.detach().reshape(-1) for q in params])
     shard = torch.nn.Parameter(flat[rank * shard_len : (rank + 1) * shard_len].clone())  # my fp32 master
-    opt = torch.optim.AdamW([shard], **adamw)
+    # nanoGPT's decay rule, per element of my shard (it cuts through tensors):
+    # decoupled decay by hand, then AdamW without it — torch's own order.
+    decays = torch.zeros(padded, dtype=torch.bool)
+    at = 0
+    for q in params:
+        decays[at : at + q.numel()] = q.dim() >= 2
+        at += q.numel()
+    decays = decays[rank * shard_len : (rank + 1) * shard_len]
+    opt = torch.optim.AdamW([shard], weight_decay=0.0, **adamw)
     gathered = [torch.empty(shard_len) for _ in range(world)]
 
     def step(micro, per_rank, want_norm):
@@ -186,6 +204,8 @@ def toy(model, adamw, world, rank):
         shard.grad = g[rank * shard_len : (rank + 1) * shard_len] / world
         norm = global_norm([shard.grad], reduce=True) if want_norm else None
         # 4. AdamW on my shard only
+        with torch.no_grad():
+            shard[decays] *= 1 - adamw["lr"] * wd
         opt.step()
         return total, norm
 

@@ -58,7 +58,7 @@ impl DataParallel {
         let layout = ShardLayout::new(numel, s.world.size());
         // The same seed (or checkpoint), the same bits, on every rank: kept whole.
         let (params, moments) = start.into_parts()?;
-        let mut opt = AdamW::new(s.adamw, numel);
+        let mut opt = AdamW::new(s.adamw, numel).with_no_decay(s.table.no_decay_in(0..numel));
         if let Some(m) = moments {
             (opt.m, opt.v, opt.t) = (m.m, m.v, m.t);
         }

@@ -65,7 +65,9 @@ impl WholeModelShard {
             v
         };
         let master = padded(start.weights(mine)?);
-        let mut opt = AdamW::new(s.adamw, layout.shard_len);
+        // nanoGPT's decay rule on my window of the flat vector (pieces of several tensors)
+        let window = layout.shard(rank).offset..layout.shard(rank).offset + layout.shard_len;
+        let mut opt = AdamW::new(s.adamw, layout.shard_len).with_no_decay(s.table.no_decay_in(window));
         if let Some(r) = start.moments(mine)? {
             (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
         }
@@ -75,7 +77,7 @@ impl WholeModelShard {
                 // --check: lesson 01's whole state beside, a diagnostic.
                 let all = 0..layout.numel;
                 let all = std::slice::from_ref(&all);
-                let mut opt = AdamW::new(s.adamw, layout.numel);
+                let mut opt = AdamW::new(s.adamw, layout.numel).with_no_decay(s.table.no_decay_in(0..layout.numel));
                 if let Some(r) = start.moments(all)? {
                     (opt.m, opt.v, opt.t) = (r.m, r.v, r.t);
                 }

@@ -13,6 +13,14 @@
 //! v  ← β2·v + (1 − β2)·g·g
 //! p  ← p − (lr / (1 − β1ᵗ)) · m / (√v / √(1 − β2ᵗ) + ε)   (ε outside the sqrt)
 //! ```
+//!
+//! Weight decay follows nanoGPT's rule: only tensors of two or more
+//! dimensions (matmul weights, embeddings) decay; biases and LayerNorm gains
+//! do not. A shard holds pieces of several tensors, so the rule becomes a
+//! property of each element, given to the optimizer as the ranges of its
+//! elements that do not decay ([`crate::params::no_decay`]).
+
+use std::ops::Range;
 
 /// Hyper-parameters (torch's defaults but for the learning rate).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,12 +46,20 @@ pub struct AdamW {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     pub t: u32,
+    /// The elements that do not decay (1-D tensors' pieces), sorted, disjoint.
+    pub no_decay: Vec<Range<usize>>,
 }
 
 impl AdamW {
     /// State for `len` elements, all zero (torch's lazy init).
     pub fn new(cfg: AdamWConfig, len: usize) -> Self {
-        Self { cfg, m: vec![0.0; len], v: vec![0.0; len], t: 0 }
+        Self { cfg, m: vec![0.0; len], v: vec![0.0; len], t: 0, no_decay: vec![] }
+    }
+
+    /// The same, with the elements in `no_decay` left undecayed.
+    pub fn with_no_decay(mut self, no_decay: Vec<Range<usize>>) -> Self {
+        self.no_decay = no_decay;
+        self
     }
 
     /// One step over the owned elements. `params` and `grads` must be the
@@ -59,12 +75,25 @@ impl AdamW {
         let step_size = c.lr / bias1;
         let bias2_sqrt = bias2.sqrt();
         let w = 1.0 - c.beta1;
-        for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(&mut self.m).zip(&mut self.v) {
-            *p *= decay;
-            *m += w * (g - *m);
-            *v = *v * c.beta2 + (1.0 - c.beta2) * g * g;
-            let denom = v.sqrt() / bias2_sqrt + c.eps;
-            *p += -step_size * (*m / denom);
+        // Runs of elements that decay and runs that do not, in order.
+        let mut runs = Vec::with_capacity(2 * self.no_decay.len() + 1);
+        let mut at = 0;
+        for r in &self.no_decay {
+            runs.push((at..r.start, decay));
+            runs.push((r.clone(), 1.0)); // × 1.0: exact, as if skipped
+            at = r.end;
+        }
+        runs.push((at..params.len(), decay));
+        for (r, decay) in runs {
+            let it =
+                params[r.clone()].iter_mut().zip(&grads[r.clone()]).zip(&mut self.m[r.clone()]).zip(&mut self.v[r]);
+            for (((p, &g), m), v) in it {
+                *p *= decay;
+                *m += w * (g - *m);
+                *v = *v * c.beta2 + (1.0 - c.beta2) * g * g;
+                let denom = v.sqrt() / bias2_sqrt + c.eps;
+                *p += -step_size * (*m / denom);
+            }
         }
     }
 }
@@ -94,6 +123,16 @@ mod tests {
         let want = -1.88f64 * 0.99 - 0.1 * mh / vh.sqrt();
         assert!((p[1] as f64 - want).abs() < 1e-5, "{} vs {want}", p[1]);
         assert_eq!(opt.t, 2);
+    }
+
+    /// nanoGPT's rule: with no gradient, an element moves only by its decay —
+    /// the elements in `no_decay` not at all, the others by × (1 − lr·λ).
+    #[test]
+    fn no_decay_ranges_are_not_decayed() {
+        let cfg = AdamWConfig { lr: 0.1, weight_decay: 0.5, ..AdamWConfig::default() };
+        let mut p = [2.0f32; 6];
+        AdamW::new(cfg, 6).with_no_decay(vec![1..3, 5..6]).step(&mut p, &[0.0; 6]);
+        assert_eq!(p, [1.9, 2.0, 2.0, 1.9, 1.9, 2.0]);
     }
 
     /// Updating a slice in two halves with two optimizers gives the bits of

@@ -47,6 +47,12 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
+    /// nanoGPT's weight-decay rule: tensors of 2 or more dimensions (matmul
+    /// weights, embeddings) decay; biases and LayerNorm gains do not.
+    pub fn decays(&self) -> bool {
+        self.shape.len() >= 2
+    }
+
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
@@ -229,6 +235,34 @@ pub fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
     bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
+// ANCHOR: no_decay
+/// nanoGPT's weight-decay rule, elementwise: of the positions `window` of a
+/// flat vector in which tensor `i` of `table` lies at `at` (for each `(i,
+/// at)` of `layout`), the ranges AdamW must not decay, relative to the
+/// window's start. A shard cuts through tensors, so this is per element.
+pub fn no_decay(
+    table: &ParamTable,
+    layout: impl IntoIterator<Item = (usize, Range<usize>)>,
+    window: Range<usize>,
+) -> Vec<Range<usize>> {
+    layout
+        .into_iter()
+        .filter(|(i, _)| !table.specs[*i].decays())
+        .filter_map(|(_, at)| {
+            let (a, b) = (at.start.max(window.start), at.end.min(window.end));
+            (a < b).then(|| a - window.start..b - window.start)
+        })
+        .collect()
+}
+// ANCHOR_END: no_decay
+
+impl ParamTable {
+    /// [`no_decay`] for a window of the model's own flat vector (lessons 01, 02).
+    pub fn no_decay_in(&self, window: Range<usize>) -> Vec<Range<usize>> {
+        no_decay(self, self.specs.iter().enumerate().map(|(i, s)| (i, s.range())), window)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,5 +316,24 @@ mod tests {
         let wte = &a[t.specs[0].range()];
         let std = (wte.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / wte.len() as f64).sqrt();
         assert!((std - 0.02).abs() < 0.001, "{std}");
+    }
+
+    /// The decay rule on windows: the whole tiny model leaves its 1-D tensors
+    /// (biases, LayerNorm gains) undecayed, wte and wpe decayed; a window
+    /// cutting through tensors gets the pieces, relative to its start.
+    #[test]
+    fn no_decay_follows_the_tensors_dimensions() {
+        let t = ParamTable::new(&GptConfig::preset("tiny", 65).unwrap());
+        let all = t.no_decay_in(0..t.numel());
+        let one_d: usize = t.specs.iter().filter(|s| s.shape.len() == 1).map(|s| s.numel()).sum();
+        assert_eq!(all.iter().map(|r| r.len()).sum::<usize>(), one_d);
+        assert!(t.specs[0].decays() && t.specs[1].decays(), "wte and wpe decay (nanoGPT)");
+        let ln1 = &t.specs[2]; // h.0.ln_1.weight, 1-D
+        assert!(!ln1.decays());
+        let w = ln1.offset + 5..ln1.offset + 200;
+        assert_eq!(t.no_decay_in(w.clone())[0], 0..ln1.numel() - 5, "the piece of ln_1.weight in the window");
+        let pieces: usize = t.no_decay_in(w.clone()).iter().map(|r| r.len()).sum();
+        let want = (w.clone()).filter(|&i| t.specs.iter().any(|s| !s.decays() && s.range().contains(&i))).count();
+        assert_eq!(pieces, want);
     }
 }

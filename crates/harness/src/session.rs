@@ -646,7 +646,10 @@ impl<'w> Session<'w> {
         let a = &self.adamw;
         t.row([
             "AdamW".to_string(),
-            format!("lr {}, betas ({}, {}), eps {:e}, weight decay {}", a.lr, a.beta1, a.beta2, a.eps, a.weight_decay),
+            format!(
+                "lr {}, betas ({}, {}), eps {:e}, weight decay {} on 2-D tensors",
+                a.lr, a.beta1, a.beta2, a.eps, a.weight_decay
+            ),
         ]);
         t.row(["seed".to_string(), self.args.seed.to_string()]);
         if let Some(c) = self.args.grad_clip {
