@@ -316,7 +316,9 @@ pub fn update_all(units: &mut [FsdpUnit], s: &Session, inv: f32) -> candle_core:
     let mut squares = ExactSquares::default();
     for u in units.iter_mut() {
         u.grad.iter_mut().for_each(|g| *g *= inv);
-        squares.merge(&ExactSquares::of(&u.grad));
+        if s.args.grad_clip.is_some() {
+            squares.merge(&ExactSquares::of(&u.grad));
+        }
     }
     let f = s.clip_factor(squares, s.world.size() > 1);
     for u in units.iter_mut() {

@@ -266,6 +266,9 @@ impl<'w> Session<'w> {
 
     /// [`Session::clip_factor`] for a rank that holds the whole mean gradient: clips it in place.
     pub fn clip_whole(&self, grads: &mut [f32]) {
+        if self.args.grad_clip.is_none() {
+            return; // no sum of squares to pay for
+        }
         if let Some(f) = self.clip_factor(ExactSquares::of(grads), false) {
             grads.iter_mut().for_each(|g| *g *= f);
         }
