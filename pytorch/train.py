@@ -67,7 +67,8 @@ def main():
     model = gpt.load(f"{a.data}/init.safetensors")
     adamw = dict(lr=meta["lr"], betas=(meta["beta1"], meta["beta2"]), eps=meta["eps"])
     wd = meta["weight_decay"]
-    step_fn = {"ddp": ddp, "fsdp2": fsdp2, "toy": toy}[a.mode](model, adamw, wd, world, rank)
+    decayed = [0]  # how many elements AdamW decays, over all ranks: set by the mode
+    step_fn = {"ddp": ddp, "fsdp2": fsdp2, "toy": toy}[a.mode](model, adamw, wd, world, rank, decayed)
 
     losses, seconds, norm = [], [], None
     for s in range(meta["steps"]):
@@ -93,6 +94,7 @@ def main():
                     "median_step_seconds": statistics.median(seconds),
                     "peak_rss_bytes": [int(r.item()) for r in all_rss],
                     "step1_grad_norm": norm,
+                    "decayed_elements": decayed[0],
                 },
                 f,
             )
@@ -125,11 +127,12 @@ def groups(params, wd):
     ]
 
 
-def ddp(model, adamw, wd, world, rank):
+def ddp(model, adamw, wd, world, rank, decayed):
     from torch.nn.parallel import DistributedDataParallel
 
     net = DistributedDataParallel(model)  # averages gradients over the ranks
     opt = torch.optim.AdamW(groups(net.parameters(), wd), **adamw)
+    decayed[0] = sum(p.numel() for p in opt.param_groups[0]["params"])
 
     def step(micro, per_rank, want_norm):
         opt.zero_grad(set_to_none=True)
@@ -141,7 +144,7 @@ def ddp(model, adamw, wd, world, rank):
     return step
 
 
-def fsdp2(model, adamw, wd, world, rank):
+def fsdp2(model, adamw, wd, world, rank, decayed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -150,6 +153,7 @@ def fsdp2(model, adamw, wd, world, rank):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root: embeddings, ln_f, the tied head
     opt = torch.optim.AdamW(groups(model.parameters(), wd), **adamw)  # DTensors keep their dims
+    decayed[0] = sum(p.numel() for p in opt.param_groups[0]["params"])  # a DTensor's numel is the whole tensor's
 
     @contextmanager
     def sync(last):
@@ -166,7 +170,7 @@ def fsdp2(model, adamw, wd, world, rank):
     return step
 
 
-def toy(model, adamw, wd, world, rank):
+def toy(model, adamw, wd, world, rank, decayed):
     params = list(model.parameters())  # the tied weight once
     numel = sum(q.numel() for q in params)
     shard_len = -(-numel // world)  # padded to a multiple of N
@@ -182,6 +186,9 @@ def toy(model, adamw, wd, world, rank):
         decays[at : at + q.numel()] = q.dim() >= 2
         at += q.numel()
     decays = decays[rank * shard_len : (rank + 1) * shard_len]
+    count = torch.tensor([int(decays.sum())], dtype=torch.int64)
+    dist.all_reduce(count)
+    decayed[0] = int(count.item())
     opt = torch.optim.AdamW([shard], weight_decay=0.0, **adamw)
     gathered = [torch.empty(shard_len) for _ in range(world)]
 

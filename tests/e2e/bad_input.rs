@@ -184,4 +184,15 @@ fn reference_data_refuses_what_it_would_ignore() {
         ["error: --resume does not apply: the reference data is the seed's start and batches; leave --resume out"]
     );
     assert!(std::fs::read_dir(&out).unwrap().next().is_none(), "nothing written");
+    let o = std::process::Command::new(binary("fsdp-reference-data"))
+        .args(["--grad-clip", "1", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(
+        failure(&o).1,
+        [
+            "error: --grad-clip does not apply: the reference data is the seed's start and batches; leave --grad-clip out"
+        ]
+    );
 }

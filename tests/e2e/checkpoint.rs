@@ -664,6 +664,14 @@ fn mismatched_checkpoints_are_refused_naming_the_flag() {
         "mismatch-decay",
         "was trained with --weight-decay 0.01; this run has --weight-decay 0.1",
     );
+    // --grad-clip changes the arithmetic: refused both ways
+    refused(
+        "step03-layerwise-shard",
+        &ck,
+        &["--grad-clip", "1"],
+        "mismatch-clip-on",
+        "was trained without --grad-clip; this run has --grad-clip 1: leave --grad-clip out to resume it",
+    );
     let other_batch = [
         "--batch-size",
         "4",

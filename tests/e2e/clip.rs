@@ -56,13 +56,14 @@ fn clipping_is_bitwise_lesson_01_in_every_lesson_and_world_size() {
     }
 }
 
-/// bf16 compute: ZeRO-1/2/3 clip to lesson 01's bf16 bits at 2 and 4 ranks.
+/// bf16 compute: ZeRO-1/2/3 clip to lesson 01's bf16 bits and norms at 2 and 4 ranks.
 #[test]
 fn clipping_keeps_bf16_bits_across_stages() {
     let bf16 = ["--precision", "bf16"];
+    let norms = |out: &std::path::Path| report(out)["grad_norms"].clone();
     for n in [2usize, 4] {
         let (o, dp) = mpirun("step01-data-parallel", n, &[FAST, CLIP, &bf16].concat(), &format!("clip-bf16-dp-{n}"));
-        ok_stdout(&o);
+        assert!(ok_stdout(&o).contains("clipped to 0.3"));
         for stage in ["1", "2", "3"] {
             let (o, z) = mpirun(
                 "step04-optimizer-state-shard",
@@ -70,8 +71,31 @@ fn clipping_keeps_bf16_bits_across_stages() {
                 &[FAST, CLIP, &bf16, &["--stage", stage]].concat(),
                 &format!("clip-bf16-z{stage}-{n}"),
             );
-            ok_stdout(&o);
+            assert!(ok_stdout(&o).contains("clipped to 0.3"));
             assert_eq!(digest(&dp), digest(&z), "bf16, N = {n}, stage {stage}");
+            assert_eq!(norms(&dp), norms(&z), "bf16, N = {n}, stage {stage}: the norms");
         }
+    }
+}
+
+/// The other paths an update takes: lesson 01's one-process `--accumulate 2`
+/// clips as 2 ranks do; lesson 02's and lesson 03's `--check` references,
+/// clipped the same way, stay at a divergence of exactly 0.
+#[test]
+fn clipping_in_one_process_and_beside_the_checks() {
+    let (o, two) = mpirun("step01-data-parallel", 2, &[FAST, CLIP].concat(), "clip-two");
+    ok_stdout(&o);
+    let (o, acc) = mpirun("step01-data-parallel", 1, &[FAST, CLIP, &["--accumulate", "2"]].concat(), "clip-acc");
+    ok_stdout(&o);
+    assert_eq!(digest(&two), digest(&acc));
+    assert_eq!(report(&two)["grad_norms"], report(&acc)["grad_norms"]);
+    for (pkg, extra) in
+        [("step02-whole-model-shard", &[][..]), ("step03-layerwise-shard", &["--check", "--no-plot"][..])]
+    {
+        let (o, out) = mpirun(pkg, 3, &[FAST, CLIP, extra].concat(), &format!("clip-check-{pkg}"));
+        assert!(ok_stdout(&o).contains("clipped to 0.3"), "{pkg}");
+        let div: Vec<f64> =
+            report(&out)["divergence"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        assert_eq!(div, vec![0.0; 3], "{pkg}: --check beside a clipped run");
     }
 }

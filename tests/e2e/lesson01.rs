@@ -155,8 +155,18 @@ fn reference_data_holds_what_an_outside_trainer_needs() {
     }
     let init = fsdp_gpt::weights_file::load(&out.join("init.safetensors")).unwrap();
     assert!(init.flat == fsdp_gpt::ParamTable::new(&init.cfg).init_flat(1337), "the seed's initial weights");
+    // nanoGPT's decay rule: the 2-D tensors' elements, the count PyTorch is held to
+    let decayed: usize =
+        fsdp_gpt::ParamTable::new(&init.cfg).specs.iter().filter(|s| s.shape.len() >= 2).map(|s| s.numel()).sum();
+    assert_eq!(meta["decayed_elements"], decayed);
+    // Step 1's gradient norm, the one PyTorch is held to, is lesson 01's own
+    // (which sums its micro-batches as a pairwise tree: the same to rounding).
     let norm = meta["step1_grad_norm"].as_f64().unwrap();
-    assert!(norm.is_finite() && norm > 0.01, "step 1's gradient norm {norm}");
+    let flags = ["--steps", "1", "--micro-batches", "2", "--batch-size", "2", "--seq-len", "16", "--grad-clip", "1e9"];
+    let (o, l01) = mpirun(PKG, 1, &flags, "l01-reference-norm");
+    ok_stdout(&o);
+    let lesson = report(&l01)["grad_norms"][0].as_f64().unwrap();
+    assert!((lesson / norm - 1.0).abs() < 1e-6, "lesson 01's step-1 norm {lesson}, the reference's {norm}");
     let o = std::process::Command::new(binary("fsdp-eval"))
         .args(["--json", "--batches", "2", "--weights"])
         .arg(out.join("init.safetensors"))

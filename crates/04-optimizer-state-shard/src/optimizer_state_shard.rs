@@ -54,7 +54,10 @@ impl OptimizerStateShard {
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are read: the start's source goes
         // Stage 3 runs lesson 03's schedule: what waits for the tied wte (lesson 03's default).
-        let head_grad = head_grad.unwrap_or_else(|| lower_peak(s, &units, prefetch && stage == 3));
+        let head_grad = match stage {
+            3 => head_grad.unwrap_or_else(|| lower_peak(s, &units, prefetch)),
+            _ => HeadGrad::Keep, // unused: stages 1 and 2 run their own schedules
+        };
         Ok(Self { stage, recompute, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3, head_grad } })
     }
     // ANCHOR_END: new

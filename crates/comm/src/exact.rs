@@ -7,8 +7,9 @@
 //! bits however the elements are split among ranks and in whatever order
 //! the parts are combined: lesson 01 with the whole gradient on one rank and
 //! ZeRO-3 with 1/N of it on each get the same norm, without agreeing on any
-//! order at all. (A squared element below 2⁻¹⁹², |g| < 2⁻⁹⁶, is dropped —
-//! the same element everywhere; a sum reaching 2¹⁹² is reported infinite.)
+//! order at all. (Each square is rounded down to a multiple of 2⁻¹⁹² — exact
+//! for |g| ≥ 2⁻⁷², dropped below 2⁻⁹⁶ — the same for an element on every
+//! rank; a sum reaching 2¹⁹² is reported infinite.)
 /// 64-bit limbs of the fixed-point sum, least significant first.
 const LIMBS: usize = 6;
 /// The weight of the lowest bit: 2^LSB.
@@ -166,6 +167,19 @@ mod tests {
         assert!((small.norm() / (2f64.sqrt() * 1e-20f32 as f64) - 1.0).abs() < 1e-12);
         // below the last bit (|g| < 2⁻⁹⁶ ≈ 1.3e-29): dropped, on every rank alike
         assert_eq!(ExactSquares::of(&[1e-30, -1e-30]).norm(), 0.0);
+    }
+
+    /// Carries between limbs and out of the top one.
+    #[test]
+    fn carries_and_overflow_across_limbs() {
+        let p = |e: i32| 2f32.powi(e);
+        // four squares of 2⁻⁶⁵ (2⁻¹³⁰, bit 62 of limb 0) carry into limb 1: one square of 2⁻⁶⁴
+        assert_eq!(ExactSquares::of(&[p(-65); 4]), ExactSquares::of(&[p(-64)]));
+        assert_eq!(ExactSquares::of(&[p(95); 3]).norm(), 3f64.sqrt() * p(95) as f64);
+        assert_eq!(ExactSquares::of(&[p(95); 4]).norm(), f64::INFINITY, "2¹⁹² does not fit");
+        let mut s = ExactSquares::of(&[p(95), p(95)]);
+        s.merge(&ExactSquares::of(&[p(95), p(95)]));
+        assert_eq!(s.norm(), f64::INFINITY, "a merge carries out too");
     }
 
     /// A NaN or ∞ makes the norm NaN (a broken step must not look healthy);

@@ -58,6 +58,9 @@ impl AdamW {
 
     /// The same, with the elements in `no_decay` left undecayed.
     pub fn with_no_decay(mut self, no_decay: Vec<Range<usize>>) -> Self {
+        let (sorted, inside) =
+            (no_decay.windows(2).all(|w| w[0].end <= w[1].start), no_decay.iter().all(|r| r.end <= self.m.len()));
+        assert!(sorted && inside, "no_decay ranges must be sorted, disjoint and inside the {} elements", self.m.len());
         self.no_decay = no_decay;
         self
     }

@@ -151,8 +151,9 @@ impl ThisRun {
         }
         let mismatch = |flag: &str, theirs: String, ours: String| -> anyhow::Result<()> {
             if theirs != ours {
+                let has = if ours.is_empty() { format!("no {flag}") } else { format!("{flag} {ours}") };
                 bail!(
-                    "checkpoint {at} was trained with {flag} {theirs}; this run has {flag} {ours}: pass {flag} {theirs} to resume it"
+                    "checkpoint {at} was trained with {flag} {theirs}; this run has {has}: pass {flag} {theirs} to resume it"
                 );
             }
             Ok(())
@@ -191,6 +192,14 @@ impl ThisRun {
         for (flag, theirs) in &meta.lesson_flags {
             let ours = self.lesson_flags.iter().find(|(f, _)| f == flag).map_or(String::new(), |(_, v)| v.clone());
             mismatch(flag, theirs.clone(), ours)?;
+        }
+        // --grad-clip changes the arithmetic both ways: a clipped resume of an unclipped run too.
+        let clipped =
+            |flags: &[(String, String)]| flags.iter().find(|(f, _)| f == "--grad-clip").map(|(_, c)| c.clone());
+        if let (None, Some(c)) = (clipped(&meta.lesson_flags), clipped(&self.lesson_flags)) {
+            bail!(
+                "checkpoint {at} was trained without --grad-clip; this run has --grad-clip {c}: leave --grad-clip out to resume it"
+            );
         }
         if meta.step >= args.steps {
             bail!(

@@ -196,6 +196,10 @@ impl<'w> Session<'w> {
         }
         let adamw = AdamWConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamWConfig::default() };
         let table = ParamTable::new(&cfg);
+        let mut lesson_flags = lesson_flags;
+        if let Some(c) = args.grad_clip {
+            lesson_flags.push(("--grad-clip".into(), c.to_string())); // a resume must clip alike
+        }
         let this_run = ThisRun {
             lesson: lesson.package.to_string(),
             model: crate::resume::model_meta(&args.preset, &cfg, table.numel()),
@@ -253,7 +257,10 @@ impl<'w> Session<'w> {
         let total = if sharded { self.world.exact_sum(&mine) } else { mine };
         let norm = total.norm();
         self.grad_norm.set(Some(norm));
-        Some((c as f64 / (norm + 1e-6)).min(1.0) as f32)
+        // A NaN norm (a NaN or ∞ in the gradient) gives a NaN factor, as in
+        // torch: the broken step shows. An overflowing sum (‖g‖ ≥ 2⁹⁶) gives 0.
+        let f = c as f64 / (norm + 1e-6);
+        Some(if f.is_nan() { f32::NAN } else { f.min(1.0) as f32 })
     }
 
     /// Bytes one rank sends per step for `--grad-clip` when the gradient is

@@ -46,6 +46,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         ("--save-every", a.save_every.is_some()),
         ("--mem-budget", a.mem_budget.is_some()),
         ("--sum-groups", a.sum_groups.is_some()),
+        ("--grad-clip", a.grad_clip.is_some()),
     ];
     if let Some((flag, _)) = ignored.iter().find(|(_, given)| *given) {
         bail!("{flag} does not apply: the reference data is the seed's start and batches; leave {flag} out");
@@ -94,6 +95,8 @@ fn run(args: Args) -> anyhow::Result<()> {
         "eps": adamw.eps,
         "weight_decay": adamw.weight_decay,
         "step1_grad_norm": grad_norm,
+        // nanoGPT's decay rule: how many elements AdamW decays (the rest are 1-D tensors')
+        "decayed_elements": table.numel() - table.no_decay_in(0..table.numel()).iter().map(|r| r.len()).sum::<usize>(),
     });
     write("meta.json", serde_json::to_string_pretty(&meta)?.as_bytes())?;
     println!(
