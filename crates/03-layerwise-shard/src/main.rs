@@ -149,7 +149,7 @@ fn main() -> ExitCode {
             .table(unsharded_peak_table(&fsdp.units, args.prefetch).render())
             .expect_traffic(Collective::AllGather, gather_bytes)
             .expect_traffic(Collective::ReduceScatter, scatter_bytes)
-            .expect_traffic_if(Collective::GradNorm, s.clip_traffic(true))
+            .expect_traffic_if(Collective::GradNorm, s.clip_traffic())
             .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
             .json("divergence", serde_json::json!(divergence))
             .json("units", step03_layerwise_shard::units::units_json(&fsdp.units))

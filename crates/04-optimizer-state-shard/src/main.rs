@@ -172,7 +172,7 @@ fn main() -> ExitCode {
             ))
             .expect_traffic(Collective::AllGather, gathered)
             .expect_traffic(Collective::ReduceScatter, s.sum_groups.per_rank() as u64 * sent(4))
-            .expect_traffic_if(Collective::GradNorm, s.clip_traffic(true))
+            .expect_traffic_if(Collective::GradNorm, s.clip_traffic())
             .json("stage", serde_json::json!(args.stage))
             .json("units", step03_layerwise_shard::units::units_json(units))
             .json("head_grad", serde_json::json!((args.stage == 3).then(|| head_grad.name())))

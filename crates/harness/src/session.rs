@@ -265,10 +265,8 @@ impl<'w> Session<'w> {
 
     /// Bytes one rank sends per step for `--grad-clip` when the gradient is
     /// sharded: its exact sum to N − 1 ranks (`None` without the flag).
-    pub fn clip_traffic(&self, sharded: bool) -> Option<u64> {
-        self.args
-            .grad_clip
-            .map(|_| if sharded { ((self.world.size() - 1) * ExactSquares::WORDS * 8) as u64 } else { 0 })
+    pub fn clip_traffic(&self) -> Option<u64> {
+        self.args.grad_clip.map(|_| ((self.world.size() - 1) * ExactSquares::WORDS * 8) as u64)
     }
 
     /// [`Session::clip_factor`] for a rank that holds the whole mean gradient: clips it in place.

@@ -37,6 +37,20 @@ pub(super) fn round_to_bf16(v: &mut [f32]) {
     v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
 }
 
+/// The sum of the `n`-long rows of `g`, each widened, added in row order:
+/// a bias's gradient (the bias add's and the linear layer's, the same bits).
+pub(super) fn row_sum<T: Copy, A: Copy + Default + std::ops::AddAssign>(
+    g: &[T],
+    n: usize,
+    widen: impl Fn(T) -> A,
+) -> Vec<A> {
+    let mut sum = vec![A::default(); n];
+    for row in g.chunks_exact(n) {
+        sum.iter_mut().zip(row).for_each(|(s, &g)| *s += widen(g));
+    }
+    sum
+}
+
 /// Fails on a zero-sized dimension: the kernels walk rows by their length.
 pub(super) fn nonempty(dims: &[usize], op: &str) -> Result<()> {
     if dims.is_empty() || dims.contains(&0) {

@@ -14,7 +14,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
 
-use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, values, widen};
+use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, row_sum, values, widen};
 use super::matmul::Operand;
 
 /// `x · wᵀ + b` for `x` (…, in), `w` (out, in) (torch's layout), `b` (out).
@@ -62,10 +62,7 @@ fn backward<T: Calc>(
     round(&mut dx);
     let mut dw = T::mm(&matrix(0, rows, n_out, true), g, &matrix(0, rows, n_in, false), x); // gᵀ·x
     round(&mut dw);
-    let mut db = vec![T::default(); n_out];
-    for row in g.chunks_exact(n_out) {
-        db.iter_mut().zip(row).for_each(|(s, &g)| *s += g); // the rows in order
-    }
+    let mut db = row_sum(g, n_out, |g| g);
     round(&mut db);
     (dx, dw, db)
 }

@@ -22,7 +22,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 
-use super::common::{cpu, nonempty, values};
+use super::common::{cpu, narrow, nonempty, row_sum, values};
 
 /// `x + b` with `b` (N) added to every row of `x` (…, N). Differentiable.
 pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -200,19 +200,13 @@ impl CustomOp2 for BiasAdd {
         let n = b.elem_count();
         let (storage, l) = g.storage_and_layout();
         let s = cpu(&storage, "bias_add")?;
-        macro_rules! col_sums {
-            ($t:ty, $widen:expr, $round:expr) => {{
-                let mut sum = vec![Default::default(); n];
-                for row in values::<$t>(s, l, "bias_add backward")?.chunks_exact(n) {
-                    sum.iter_mut().zip(row).for_each(|(s, &g)| *s += $widen(g));
-                }
-                Tensor::from_vec(sum.into_iter().map($round).collect::<Vec<$t>>(), n, g.device())?
-            }};
-        }
+        let op = "bias_add backward";
         let db = match g.dtype() {
-            DType::F32 => col_sums!(f32, |g: f32| g, |s: f32| s),
-            DType::F64 => col_sums!(f64, |g: f64| g, |s: f64| s),
-            DType::BF16 => col_sums!(bf16, |g: bf16| g.to_f32(), bf16::from_f32),
+            DType::F32 => Tensor::from_vec(row_sum(values::<f32>(s, l, op)?, n, |g| g), n, g.device())?,
+            DType::F64 => Tensor::from_vec(row_sum(values::<f64>(s, l, op)?, n, |g| g), n, g.device())?,
+            DType::BF16 => {
+                Tensor::from_vec(narrow(row_sum(values::<bf16>(s, l, op)?, n, |g| g.to_f32())), n, g.device())?
+            }
             d => bail!("bias_add supports f32, bf16 and f64, got {d:?}"),
         };
         drop(storage);
