@@ -167,7 +167,7 @@ check-bits: build
 
 # Run every test: unit tests, then the lessons as real MPI jobs at several world sizes.
 test: build
-    cargo test --release --workspace --features step02-whole-model-shard/solutions,step03-layerwise-shard/solutions,step04-optimizer-state-shard/solutions
+    cargo test --release --workspace
 
 # Show what lesson NN adds over the one before: its step against the previous one's, and its new files.
 diff NN:
@@ -196,28 +196,27 @@ book-render: setup-browser book
 setup-browser:
     @bash scripts/deps.sh --install --browser
 
-# Check one exercise, e.g. `just exercise 03-2` (exercise 3.2), and say whether it passes.
-exercise ID:
+# Check exercise NN-K (e.g. `just exercise 02-1`): lesson NN on 4 ranks with your code (`--mine K`), bit for bit against its snapshot.
+exercise ID: build
     #!/usr/bin/env bash
     set -uo pipefail
-    lesson="{{ID}}"; k=${lesson#*-}; lesson=${lesson%-*}
-    dir=$(ls -d crates/"$lesson"-* 2>/dev/null | head -n1)
-    [ "$k" != "{{ID}}" ] || { echo "error: name an exercise as NN-K, e.g. \`just exercise 03-2\` for exercise 3.2" >&2; exit 2; }
-    [ -n "$dir" ] && [ -f "$dir/src/exercise_checks.rs" ] || { echo "error: no lesson $lesson with exercises: pick one of $(ls -d crates/[0-9]*/src/exercise_checks.rs | cut -d/ -f2 | cut -d- -f1 | tr '\n' ' ')" >&2; exit 2; }
-    n=$((10#$lesson))
-    test=$(grep -o "fn exercise_${n}_${k}_[a-z0-9_]*" "$dir/src/exercise_checks.rs" 2>/dev/null | head -n1 | sed 's/^fn //')
-    [ -n "$test" ] || { echo "error: lesson $lesson has no exercise $n.$k: see its chapter's exercise list" >&2; exit 2; }
-    pkg=step${dir#crates/}
-    echo "exercise $n.$k: cargo test --release -p $pkg $test"
-    if out=$(cargo test --release -q -p "$pkg" "$test" 2>&1); then
-        echo "✓ exercise $n.$k passes: your answer produces the committed snapshot."
+    id="{{ID}}"; all=$(grep -oE 'exercise_[0-9]+_[0-9]+ =>' tests/e2e/exercises.rs | sed -E 's/exercise_([0-9]+)_([0-9]+) =>/0\1-\2/' | tr '\n' ' ')
+    [[ "$id" =~ ^[0-9]{2}-[0-9]+$ ]] || { echo "error: name an exercise as NN-K, e.g. \`just exercise 02-1\` for exercise 2.1 (there are: $all)" >&2; exit 2; }
+    n=$((10#${id%-*})); k=${id#*-}
+    [[ " $all " == *" $id "* ]] || { echo "error: there is no exercise $n.$k: pick one of $all" >&2; exit 2; }
+    echo "exercise $n.$k: lesson ${id%-*} on 4 ranks with your code (--mine $k), against the committed snapshot"
+    out=$(INSTA_UPDATE=no cargo test --release -q --test e2e "exercises::exercise_${n}_${k}" -- --ignored --exact --nocapture 2>&1); code=$?
+    echo "$out" | grep -vE '^\s+[0-9]+: |^\s+at |^note: |^stack backtrace|^running [0-9]+ test|^test result|^error: test failed|^thread .* panicked|^snapshot assertion|^To update snapshots|^Stopped on the first|^Run `cargo insta|^failures:|^    exercises::|^---- |^$'
+    echo
+    if [ $code -eq 0 ]; then
+        echo "✓ exercise $n.$k passes: your code gives the lesson's bits, bytes and weights."
+    elif echo "$out" | grep -q "is not written yet"; then
+        echo "✗ exercise $n.$k is not done yet: replace the todo!() under TODO(exercise): $n.$k in $(ls -d crates/${id%-*}-*)/src/exercises.rs."
+        exit 1
+    elif echo "$out" | grep -q "the run with your code stopped"; then
+        echo "✗ exercise $n.$k does not pass yet: the run with your code stopped (its error is above)."
+        exit 1
     else
-        echo "$out" | grep -vE '^\s+[0-9]+: |^note: |^stack backtrace' | tail -40
-        echo
-        if echo "$out" | grep -q "not yet implemented"; then
-            echo "✗ exercise $n.$k is not done yet: replace the todo!() under TODO(exercise) in $dir/src/exercises.rs."
-        else
-            echo "✗ exercise $n.$k does not pass yet: the snapshot diff above shows the committed answer (-) against yours (+)."
-        fi
+        echo "✗ exercise $n.$k does not pass yet: above, the committed snapshot (-) against your run (+), and why."
         exit 1
     fi

@@ -22,7 +22,7 @@ diff -U2 --label "lesson ${prev#crates/}" --label "lesson ${cur#crates/}" "$a" "
 echo
 echo "== what lesson $nn has besides (files with no counterpart in lesson ${prev#crates/})"
 for f in $(cd "$cur" && find src -name '*.rs' | sort); do
-    case "$f" in src/main.rs|src/lib.rs|src/exercises.rs|src/exercise_checks.rs) continue ;; esac
+    case "$f" in src/main.rs|src/lib.rs|src/exercises.rs) continue ;; esac
     [ "$cur/$f" = "$(idea "$cur")" ] && continue
     [ -e "$prev/$f" ] && continue
     printf '  %-40s %4d lines  %s\n' "$cur/$f" "$(wc -l < "$cur/$f")" "$(grep -m1 '^//!' "$cur/$f" | sed 's|^//! *||')"

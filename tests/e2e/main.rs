@@ -8,6 +8,7 @@ mod bad_input;
 mod book;
 mod checkpoint;
 mod clip;
+mod exercises;
 mod lesson01;
 mod lesson02;
 mod lesson03;

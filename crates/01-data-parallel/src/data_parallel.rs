@@ -14,11 +14,11 @@
 use std::borrow::Cow;
 
 use anyhow::bail;
-use fsdp_comm::{MicroBatchSum, ShardLayout, sum_pairwise};
+use fsdp_comm::{MicroBatchSum, ShardLayout};
 use fsdp_gpt::params::digest_f32;
 use fsdp_gpt::{AdamW, Precision};
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
-use fsdp_harness::{MemoryTally, Moment, Session, Start};
+use fsdp_harness::{MemoryTally, Moment, Session, Start, exercise};
 
 /// How the gradient is all-reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -77,19 +77,13 @@ impl DataParallel {
     /// One optimizer step; returns the mean loss over the global batch.
     pub fn step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
         let numel = s.table.numel();
-        // 1. forward/backward on my micro-batches, gradients summed in order
+        // 1. forward/backward on my micro-batches, gradients summed in order (exercise 1.2)
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
-        let all: Vec<usize> = (0..vars.len()).collect();
         self.grads.reset();
-        let mut loss_sum = 0.0;
-        for k in s.my_micro_batches() {
-            let (loss, grads) = s.forward_backward(&vars, step, k, self.recompute)?;
-            self.grads.add(|sum| grads.add_to(&all, &vars, &mut sum[..numel]))?;
-            loss_sum += loss as f64;
-        }
+        let loss_sum = exercise!(1, 2, accumulate_mine(s, &vars, step, self.recompute, &mut self.grads))?;
         drop(vars);
 
-        // 2. all-reduce: the sum over ranks, then the mean
+        // 2. all-reduce: the sum over ranks (its reduce-scatter adds with `sum_received`), then the mean
         let grads = match self.reduce {
             Reduce::Ordered => s.world.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
             Reduce::Native => s.world.all_reduce_native(&mut self.grads.sums()[0]),
@@ -123,7 +117,7 @@ impl DataParallel {
         drop(vars);
         let mut total = vec![0.0f32; numel];
         let mut parts: Vec<&mut [f32]> = self.grads.sums().iter_mut().map(|g| &mut g[..numel]).collect();
-        sum_pairwise(&mut parts); // in place, into the first group's sum
+        sum_received(&mut parts); // in place, into the first group's sum: the tree over ranks
         total.copy_from_slice(parts[0]);
         let m = s.sampler.micro_batches;
         scale(&mut total, m);
@@ -188,6 +182,12 @@ impl DataParallel {
         t.peak(moments);
         t
     }
+}
+
+/// The ranks' parts added as the pairwise tree: exercise 1.1, the learner's
+/// under `--mine 1`. The ordered all-reduce calls it (`World::set_rank_sum`).
+pub fn sum_received(parts: &mut [&mut [f32]]) {
+    exercise!(1, 1, sum_received(parts))
 }
 
 /// `g ← g · (1/M)`: the mean over the global batch's M micro-batches.

@@ -6,6 +6,12 @@
 //! cargo run --release -p step01-data-parallel -- --accumulate 2   # one process, 2 simulated ranks
 //! ```
 mod data_parallel;
+// The exercises: yours (src/exercises.rs) and the answers, with the same
+// signatures; `--mine K` makes the step call yours (fsdp_harness::exercise).
+#[path = "../solutions/exercises.rs"]
+mod answers;
+#[path = "exercises.rs"]
+mod mine;
 
 use std::process::ExitCode;
 
@@ -14,10 +20,13 @@ use data_parallel::{DataParallel, Reduce};
 use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
 use fsdp_harness::session::recompute_note;
-use fsdp_harness::{Lesson, Report, Session, TrainArgs, print0};
+use fsdp_harness::{Lesson, Report, Session, TrainArgs, exercise, print0};
 
-const LESSON: Lesson =
-    Lesson { package: "step01-data-parallel", title: "data parallelism, everything replicated (the oracle)" };
+const LESSON: Lesson = Lesson {
+    package: "step01-data-parallel",
+    title: "data parallelism, everything replicated (the oracle)",
+    exercises: 2,
+};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -70,6 +79,10 @@ fn main() -> ExitCode {
             &[("--precision", args.precision.to_string()), ("--reduce", format!("{:?}", args.reduce).to_lowercase())],
         )?;
         fsdp_harness::edge::agree(world, check(s.sampler.micro_batches as u32))?;
+        let adds = args.reduce == Reduce::Ordered && (world.size() > 1 || accumulate.is_some_and(|n| n > 1));
+        let needs = exercise::needs(1, 1, adds, "when ranks' sums are added: run 2 or more ranks (--reduce ordered)")
+            .and_then(|()| exercise::needs(1, 2, accumulate.is_none(), "under mpirun, not under --accumulate"));
+        fsdp_harness::edge::agree(world, needs)?;
         let groups = s.sum_groups.per_rank();
         if args.reduce == Reduce::Native && accumulate.is_none() && groups > 1 {
             fsdp_harness::edge::agree(
@@ -90,6 +103,9 @@ fn main() -> ExitCode {
             extra.push(("accumulate", format!("{n} simulated ranks in one process")));
         }
         s.print_config(&extra);
+        // The reduce-scatter inside the ordered all-reduce adds what the
+        // all-to-all delivered with exercise 1.1 (the answer's unless --mine 1).
+        world.set_rank_sum(data_parallel::sum_received);
 
         let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute)?;
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?

@@ -1,24 +1,22 @@
-//! Answers to lesson 02's exercises (compiled in place of `src/exercises.rs`
-//! with `--features solutions`; CI checks them against the snapshots).
-#![allow(dead_code)]
-use std::ops::Range;
+//! # Lesson 02 — the answers to `src/exercises.rs`
+//!
+//! The lesson runs these unless `--mine K` switches exercise 2.K to yours.
+use fsdp_comm::{ShardLayout, World, nan_max};
+use fsdp_gpt::AdamW;
 
-/// 2.1: round up to a multiple of the world size, then divide.
-pub fn shard_len_and_padding(numel: usize, ranks: usize) -> (usize, usize) {
-    let shard = numel.div_ceil(ranks);
-    (shard, shard * ranks - numel)
+/// 2.1: my shard is `layout.shard(rank)` of the flat (padded) vector; its
+/// gradient is the same slice of the all-reduced gradient. AdamW is
+/// elementwise, so each element gets exactly the value lesson 01 gives it.
+pub fn update_my_shard(opt: &mut AdamW, master: &mut [f32], grads: &[f32], layout: ShardLayout, rank: usize) {
+    opt.step(master, &grads[layout.shard(rank).range()]);
 }
 
-/// 2.2: the same additions, the other way round.
-pub fn sum_in_reverse_rank_order(contributions: &[Vec<f32>]) -> Vec<f32> {
-    let mut out = contributions.last().expect("at least one rank").clone();
-    for c in contributions.iter().rev().skip(1) {
-        out.iter_mut().zip(c).for_each(|(o, x)| *o += x);
-    }
-    out
-}
-
-/// 2.3: the first half only.
-pub fn elements_to_update(shard: Range<usize>) -> Range<usize> {
-    shard.start..shard.start + shard.len() / 2
+/// 2.2: over my shard's real elements (the last shards end in padding, or
+/// are all padding), then the largest over the ranks; `nan_max` keeps a NaN
+/// (`f32::max` would drop it).
+pub fn divergence(w: &World, master: &[f32], replicated: &[f32], layout: ShardLayout, rank: usize) -> f32 {
+    let (offset, real) = (layout.shard(rank).offset, layout.real_len(rank));
+    let mine = master[..real].iter().zip(&replicated[offset..offset + real]).map(|(a, b)| (a - b).abs());
+    let local = mine.fold(0.0, nan_max);
+    w.gather_control(&[local]).into_iter().fold(0.0, nan_max)
 }

@@ -16,3 +16,12 @@
 pub mod whole_model_shard;
 
 pub use whole_model_shard::{StepResult, WholeModelShard};
+
+// The exercises: yours (src/exercises.rs) and the answers, with the same
+// signatures; `--mine K` makes the step call yours (fsdp_harness::exercise).
+#[doc(hidden)]
+#[path = "../solutions/exercises.rs"]
+pub mod answers;
+#[doc(hidden)]
+#[path = "exercises.rs"]
+pub mod mine;

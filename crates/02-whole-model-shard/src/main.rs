@@ -5,10 +5,6 @@
 //! just step 02            # 2 ranks, --check and the figure on
 //! just step 02 4 --steps 100
 //! ```
-#[cfg(test)]
-mod exercise_checks;
-#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
-mod exercises;
 
 use std::process::ExitCode;
 
@@ -21,8 +17,11 @@ use fsdp_harness::table::{Table, mb, sci, thousands};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
 
-const LESSON: Lesson =
-    Lesson { package: "step02-whole-model-shard", title: "whole-model shard: gather everything, update your shard" };
+const LESSON: Lesson = Lesson {
+    package: "step02-whole-model-shard",
+    title: "whole-model shard: gather everything, update your shard",
+    exercises: 2,
+};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -47,6 +46,8 @@ fn main() -> ExitCode {
         let args: Args = fsdp_harness::parse_args(lesson)?;
         let check = !args.no_check;
         let (s, start) = Session::new(world, lesson, args.train)?;
+        let needs = fsdp_harness::exercise::needs(2, 2, check, "with the --check reference: leave out --no-check");
+        fsdp_harness::edge::agree(world, needs)?;
         s.print_config(&[
             ("check against replicated", if check { "every step".into() } else { "off (--no-check)".into() }),
             ("activations", recompute_note(args.recompute)),

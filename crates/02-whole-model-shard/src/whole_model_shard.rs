@@ -13,10 +13,10 @@
 //! step against a fully replicated reference fed the same gradient.
 use std::borrow::Cow;
 
-use fsdp_comm::{MicroBatchSum, ShardLayout, World, nan_max};
+use fsdp_comm::{MicroBatchSum, ShardLayout, World};
 use fsdp_gpt::AdamW;
 use fsdp_harness::checkpoint::ShardPiece;
-use fsdp_harness::{MemoryTally, MemoryTimeline, Moment, Session, Start};
+use fsdp_harness::{MemoryTally, MemoryTimeline, Moment, Session, Start, exercise};
 
 /// One rank's share of the training state.
 pub struct WholeModelShard {
@@ -99,7 +99,6 @@ impl WholeModelShard {
     // ANCHOR: step
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<StepResult> {
         let (w, numel) = (s.world, self.layout.numel);
-        let mine = self.layout.shard(w.rank()).range();
 
         // 1. all-gather: every rank's shard → the full weight vector
         w.all_gather(&self.master, &mut self.gathered);
@@ -126,8 +125,8 @@ impl WholeModelShard {
         s.clip_whole(&mut grads[..numel]); // --grad-clip: the all-reduce left the whole gradient here
         tl.mark("all-reduce the gradient");
 
-        // 4. update: AdamW on my shard only
-        self.opt.step(&mut self.master, &grads[mine.clone()]);
+        // 4. update: AdamW on my shard only (exercise 2.1)
+        exercise!(2, 1, update_my_shard(&mut self.opt, &mut self.master, grads, self.layout, w.rank()));
         tl.mark("AdamW on my shard");
         // ANCHOR_END: step
 
@@ -138,8 +137,8 @@ impl WholeModelShard {
             Some(r) => {
                 let ref_loss = reference_loss(s, &r.params, step)?;
                 r.opt.step(&mut r.params, &self.grads.sums()[0][..numel]);
-                let local = max_abs_diff(&self.master, &r.params, mine.start, numel);
-                (Some(ref_loss), Some(max_over_ranks(w, local)))
+                let d = exercise!(2, 2, divergence(w, &self.master, &r.params, self.layout, w.rank()));
+                (Some(ref_loss), Some(d))
             }
         };
         Ok(StepResult { loss, reference_loss, divergence })
@@ -216,14 +215,4 @@ fn reference_loss(s: &Session, params: &[f32], step: u64) -> anyhow::Result<f32>
         sum += fsdp_gpt::model::loss(&logits, &b.targets)?.to_scalar::<f32>()? as f64;
     }
     Ok((s.world.sum_f64(&[sum])[0] / s.sampler.micro_batches as f64) as f32)
-}
-
-/// max |shard[i] − full[offset + i]| over the shard's real elements (NaN if any is NaN).
-fn max_abs_diff(shard: &[f32], full: &[f32], offset: usize, numel: usize) -> f32 {
-    let real = numel.saturating_sub(offset).min(shard.len());
-    shard[..real].iter().zip(&full[offset..offset + real]).map(|(a, b)| (a - b).abs()).fold(0.0, nan_max)
-}
-
-fn max_over_ranks(w: &World, local: f32) -> f32 {
-    w.gather_control(&[local]).into_iter().fold(0.0, nan_max)
 }

@@ -1,27 +1,45 @@
-//! Answers to lesson 03's exercises (compiled in place of `src/exercises.rs`
-//! with `--features solutions`; CI checks them against the snapshots).
-#![allow(dead_code)]
+//! # Lesson 03 — the answers to `src/exercises.rs`
+//!
+//! The lesson runs these unless `--mine K` switches exercise 3.K to yours.
+use anyhow::Context;
+use candle_core::{Tensor, Var};
+use fsdp_comm::{ExactSquares, MicroBatchSum, World};
+use fsdp_gpt::model::add_grads;
+use fsdp_harness::Session;
 
-/// Exercise 3.1: the root, or `g` blocks (fewer when the model has fewer).
-pub fn largest_unit(root: usize, block: usize, n_layer: usize, g: usize) -> usize {
-    root.max(g.min(n_layer) * block)
-}
+use crate::layerwise_shard::run_blocks;
+use crate::units::FsdpUnit;
 
-/// Exercise 3.2: every gather sends one padded shard to N − 1 ranks.
-pub fn all_gather_bytes(unit_numels: &[usize], ranks: usize) -> u64 {
-    unit_numels.iter().map(|&numel| (2 * (ranks - 1) * numel.div_ceil(ranks) * 4) as u64).sum()
-}
-
-/// Exercise 3.3: the sum over ranks first, then over micro-batches.
-pub fn reduce_every_micro_batch(grads: &[Vec<Vec<f32>>]) -> Vec<f32> {
-    let len = grads[0][0].len();
-    let mut total = vec![0.0f32; len];
-    for k in 0..grads[0].len() {
-        let mut reduced = grads[0][k].clone();
-        for r in &grads[1..] {
-            reduced.iter_mut().zip(&r[k]).for_each(|(a, b)| *a += b);
-        }
-        total.iter_mut().zip(&reduced).for_each(|(t, x)| *t += x);
+/// 3.1: the gradient of sum(out · g) with g held constant is g pulled back
+/// through the unit (PyTorch: `torch.autograd.backward(out, grad_tensors=g)`),
+/// so one backward of that scalar gives the weights' and the input's
+/// gradients, the same bits as the whole-graph backward of lesson 01.
+pub fn backward_entry(
+    s: &Session,
+    unit: &FsdpUnit,
+    p: &[Var],
+    inputs: &[Tensor],
+    upstream: &mut [Tensor],
+) -> anyhow::Result<MicroBatchSum> {
+    let tracked: Vec<Tensor> = p.iter().map(|v| v.as_tensor().clone()).collect(); // a graph to the Vars
+    let mut sum = s.grad_sum(unit.layout().padded);
+    for (x, g) in inputs.iter().zip(upstream.iter_mut()) {
+        let x = Var::from_tensor(x)?; // a leaf, so backward reaches the input
+        let out = run_blocks(s, unit, &tracked, x.as_tensor())?; // recompute, with a graph
+        let grads = (out * &*g)?.sum_all()?.backward()?;
+        sum.add(|buf| add_grads(&grads, p, buf))?;
+        *g = grads.get(&x).context("unit input grad")?.detach();
     }
-    total
+    Ok(sum)
+}
+
+/// 3.2: each element squared exactly and added into one fixed-point
+/// integer, then every rank's integer added (exact: any order, the same
+/// bits); only the square root rounds.
+pub fn global_norm(w: &World, shards: &[&[f32]]) -> f64 {
+    let mut mine = ExactSquares::default();
+    for g in shards {
+        mine.merge(&ExactSquares::of(g));
+    }
+    w.exact_sum(&mine).norm()
 }

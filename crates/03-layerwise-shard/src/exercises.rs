@@ -1,44 +1,62 @@
-//! # Lesson 03 exercises
+//! # Lesson 03 exercises — your code, inside the real step
 //!
-//! Each function below has a `TODO(exercise)`: replace the `todo!()` with
-//! your answer, then check it with `cargo test --release -p
-//! step03-layerwise-shard exercise_3_N` (the book's chapter 03 has hints).
-//! The committed snapshot under `src/snapshots/` is the specification: do
-//! not accept a new snapshot — make your code produce the committed one.
-//! Answers live apart, in `solutions/exercises.rs`.
+//! Each function below is a piece of lesson 03's step. The step calls the
+//! answer (`solutions/exercises.rs`) unless you switch it to yours:
+//!
+//! ```text
+//! just step 03 4 --mine 1      # lesson 03 on 4 ranks, exercise 3.1 with your code
+//! just exercise 03-1           # the same run, checked bit for bit against the committed snapshot
+//! just step 03 4               # back to the answers
+//! ```
+//!
+//! Replace a `todo!()` under `TODO(exercise)` with your code. The check
+//! compares your run's losses, gradient norms, bytes sent and final weights
+//! with the committed snapshot, bit for bit. Hints are in the book's
+//! chapter 03.
 #![allow(dead_code)]
+use candle_core::{Tensor, Var};
+use fsdp_comm::{MicroBatchSum, World};
+use fsdp_harness::Session;
 
-/// **Exercise 3.1 — group two blocks per unit.** A model has a root unit of
-/// `root` parameters and `n_layer` blocks of `block` parameters each. With
-/// `g` consecutive blocks per unit (`--blocks-per-unit g`; the last unit
-/// may get fewer), how many parameters does the largest unit hold? That is
-/// the most a rank ever holds unsharded, without prefetch.
-pub fn largest_unit(root: usize, block: usize, n_layer: usize, g: usize) -> usize {
+use crate::units::FsdpUnit;
+
+/// **Exercise 3.1 — a unit's backward entry.** The step has just
+/// re-gathered `unit`'s weights: `p`, as candle `Var`s in the unit's order.
+/// `inputs[k]` is the unit's input (B, T, C) that forward saved for my
+/// micro-batch k, and `upstream[k]` the gradient of the loss with respect
+/// to the unit's *output* for that micro-batch, (B, T, C). For each of my
+/// micro-batches, in order:
+///
+/// 1. recompute the unit's forward from its saved input, this time with a
+///    graph (`crate::layerwise_shard::run_blocks` runs the unit's blocks);
+/// 2. pull `upstream[k]` back through it: one backward whose gradients are
+///    the unit's weight gradients and its input's gradient;
+/// 3. add the weight gradients to the unit's gradient sum
+///    (`s.grad_sum(unit.layout().padded)`, then `fsdp_gpt::model::add_grads`);
+/// 4. replace `upstream[k]` by the input's gradient: the next unit down needs it.
+///
+/// Return the sum; the step reduce-scatters it and frees the weights.
+pub fn backward_entry(
+    s: &Session,
+    unit: &FsdpUnit,
+    p: &[Var],
+    inputs: &[Tensor],
+    upstream: &mut [Tensor],
+) -> anyhow::Result<MicroBatchSum> {
     // TODO(exercise): 3.1
-    let _ = (root, block, n_layer, g);
-    todo!("exercise 3.1: the parameter count of the largest unit")
+    let _ = (s, unit, p, inputs, upstream);
+    todo!("exercise 3.1: recompute, pull the upstream gradient back, sum the unit's gradients")
 }
 
-/// **Exercise 3.2 — count the all-gathers.** Each step gathers every unit
-/// twice (a block for its forward and its backward; the root for the
-/// embedding and the head). A unit of `numel` parameters is padded to a
-/// multiple of `ranks`, and a gather sends your shard to each of the other
-/// ranks. Return the bytes of fp32 one rank sends in all-gathers per step;
-/// `unit_numels` lists the units.
-pub fn all_gather_bytes(unit_numels: &[usize], ranks: usize) -> u64 {
+/// **Exercise 3.2 — the global norm across shards.** Under `--grad-clip`
+/// the mean gradient is scaled by min(1, C / (‖g‖ + 1e-6)), where ‖g‖ is
+/// the norm of the *whole* gradient. This rank holds only `shards`: its
+/// shard of every unit's mean gradient (padding is zeros). Return ‖g‖ over
+/// every element of every rank's shards, the same f64 on every rank, with
+/// the sum of squares exact (`fsdp_comm::ExactSquares`), so that no split
+/// of the model over ranks changes a bit of it.
+pub fn global_norm(w: &World, shards: &[&[f32]]) -> f64 {
     // TODO(exercise): 3.2
-    let _ = (unit_numels, ranks);
-    todo!("exercise 3.2: bytes sent in all-gathers per step, per rank")
-}
-
-/// **Exercise 3.3 — reduce once, or after every micro-batch?** `grads[r][k]`
-/// is rank r's gradient of its k-th micro-batch (all ranks have the same
-/// number). Lesson 03 sums each rank's micro-batches first and reduces
-/// once. Return instead what a rank gets by reducing after *every*
-/// micro-batch: for k = 0, 1, …, sum `grads[0][k] + grads[1][k] + …` in rank
-/// order, and add that onto a running total that starts at zero.
-pub fn reduce_every_micro_batch(grads: &[Vec<Vec<f32>>]) -> Vec<f32> {
-    // TODO(exercise): 3.3
-    let _ = grads;
-    todo!("exercise 3.3: for each micro-batch, the rank-order sum, added onto the total")
+    let _ = (w, shards);
+    todo!("exercise 3.2: the norm of the whole gradient, from every rank's shards")
 }

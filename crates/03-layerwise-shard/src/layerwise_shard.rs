@@ -28,9 +28,9 @@ use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Batch;
-use fsdp_gpt::model::{add_grads, add_into, loss as cross_entropy};
+use fsdp_gpt::model::{add_into, loss as cross_entropy};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
-use fsdp_harness::{MemoryTimeline, Session};
+use fsdp_harness::{MemoryTimeline, Session, exercise};
 
 use crate::units::FsdpUnit;
 
@@ -297,16 +297,10 @@ fn run_phase(
             Ok(None)
         }
         Phase::Backward(_) => {
-            let mut sum = s.grad_sum(unit.layout().padded);
+            // Recompute from the saved input, pull the upstream gradient back
+            // through the unit, sum its gradients (exercise 3.1).
             let inputs = c.inputs.pop().context("unit input")?;
-            for (x, g) in inputs.iter().zip(c.upstream.iter_mut()) {
-                let x = Var::from_tensor(x)?;
-                let out = run_blocks(s, unit, &tracked, x.as_tensor())?; // recompute, with a graph
-                // The gradient of sum(out · g) is g pulled back through the unit.
-                let grads = (out * &*g)?.sum_all()?.backward()?;
-                sum.add(|buf| add_grads(&grads, p, buf))?;
-                *g = grads.get(&x).context("unit input grad")?.detach();
-            }
+            let sum = exercise!(3, 1, backward_entry(s, unit, p, &inputs, &mut c.upstream))?;
             Ok(Some(sum))
         }
         Phase::EmbedBackward(head_grad) => {
@@ -364,7 +358,7 @@ fn head_backward(
 }
 
 /// The unit's blocks, in order, on one micro-batch. (B, T, C) → (B, T, C).
-fn run_blocks(s: &Session, unit: &FsdpUnit, p: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
+pub fn run_blocks(s: &Session, unit: &FsdpUnit, p: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
     let mut x = x.clone();
     for b in 0..unit.blocks() {
         x = s.model.block(&p[b * PARAMS_PER_BLOCK..(b + 1) * PARAMS_PER_BLOCK], &x)?;

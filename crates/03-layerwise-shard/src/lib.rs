@@ -21,3 +21,12 @@ pub mod tally;
 pub mod units;
 
 pub use layerwise_shard::{HeadGrad, LayerwiseShard, Phase, schedule};
+
+// The exercises: yours (src/exercises.rs) and the answers, with the same
+// signatures; `--mine K` makes the step call yours (fsdp_harness::exercise).
+#[doc(hidden)]
+#[path = "../solutions/exercises.rs"]
+pub mod answers;
+#[doc(hidden)]
+#[path = "exercises.rs"]
+pub mod mine;

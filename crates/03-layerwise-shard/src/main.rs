@@ -6,10 +6,6 @@
 //! just step 03 4 --prefetch         # the next unit's all-gather overlaps compute
 //! just step 03 2 --blocks-per-unit 2 --check
 //! ```
-#[cfg(test)]
-mod exercise_checks;
-#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
-mod exercises;
 
 use std::process::ExitCode;
 
@@ -18,14 +14,14 @@ use clap::Parser;
 use fsdp_comm::{Collective, nan_max};
 use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
-use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
+use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::tally::{bytes_per_step, lower_peak, tally, unsharded_peak_table};
 use step03_layerwise_shard::units::{UnitPolicy, build_units};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 const LESSON: Lesson =
-    Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time" };
+    Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time", exercises: 2 };
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -59,6 +55,8 @@ fn main() -> ExitCode {
     fsdp_harness::main(LESSON, |world, lesson| {
         let args: Args = fsdp_harness::parse_args(lesson)?;
         let (s, start) = Session::new(world, lesson, args.train)?;
+        let clip = s.args.grad_clip.is_some();
+        fsdp_harness::edge::agree(world, exercise::needs(3, 2, clip, "under --grad-clip: add --grad-clip 0.5"))?;
         let layers = s.cfg.n_layer;
         let blocks_per_unit = args.blocks_per_unit;
         fsdp_harness::edge::agree(

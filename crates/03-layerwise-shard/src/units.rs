@@ -11,12 +11,12 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{ExactSquares, MicroBatchSum, ShardLayout, World};
+use fsdp_comm::{MicroBatchSum, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
 use fsdp_harness::checkpoint::ShardPiece;
-use fsdp_harness::{Session, Start};
+use fsdp_harness::{Session, Start, exercise};
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
@@ -50,11 +50,14 @@ pub struct UnitPolicy {
     /// The dtype the parameters are all-gathered and computed in (the
     /// sharded master stays fp32): `F32` here, `BF16` under lesson 04's bf16.
     pub param_dtype: DType,
+    /// Under a bf16 `param_dtype`: how a rank's fp32 shard becomes the bf16
+    /// bits it sends (round to nearest even; lesson 04 passes its exercise 4.2).
+    pub bf16_wire: fn(&[f32]) -> Vec<u16>,
 }
 
 impl Default for UnitPolicy {
     fn default() -> Self {
-        Self { reshard_after_forward: true, param_dtype: DType::F32 }
+        Self { reshard_after_forward: true, param_dtype: DType::F32, bf16_wire: bf16_bits }
     }
 }
 
@@ -209,7 +212,7 @@ impl FsdpUnit {
             DType::BF16 => {
                 // bf16: the bits of each rounded fp32 element travel as u16.
                 let mut full = vec![0u16; n];
-                let r = run(w, overlap, &bf16_bits(&self.master), &mut full, work);
+                let r = run(w, overlap, &(self.policy.bf16_wire)(&self.master), &mut full, work);
                 Ok((r, bf16_tensor(full)?))
             }
             other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
@@ -313,14 +316,16 @@ pub fn build_units(
 /// under `--grad-clip` by the global norm over every unit's shard (one
 /// exact sum gathered from the ranks), then AdamW on each shard.
 pub fn update_all(units: &mut [FsdpUnit], s: &Session, inv: f32) -> candle_core::Result<()> {
-    let mut squares = ExactSquares::default();
     for u in units.iter_mut() {
         u.grad.iter_mut().for_each(|g| *g *= inv);
-        if s.args.grad_clip.is_some() {
-            squares.merge(&ExactSquares::of(&u.grad));
-        }
     }
-    let f = s.clip_factor(squares, s.world.size() > 1);
+    let f = match s.args.grad_clip {
+        None => None, // no norm to pay for
+        Some(_) => {
+            let shards: Vec<&[f32]> = units.iter().map(|u| u.grad.as_slice()).collect();
+            s.clip_factor_of(exercise!(3, 2, global_norm(s.world, &shards))) // exercise 3.2
+        }
+    };
     for u in units.iter_mut() {
         u.update(s.world, f)?;
     }

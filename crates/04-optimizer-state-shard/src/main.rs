@@ -9,10 +9,6 @@
 //! just zero-memory                     # GPT-2 small's size: every scheme, measured beside its tally
 //! just fits                            # data parallel and ZeRO-1 run out of memory; ZeRO-3 trains
 //! ```
-#[cfg(test)]
-mod exercise_checks;
-#[cfg_attr(feature = "solutions", path = "../solutions/exercises.rs")]
-mod exercises;
 
 use std::process::ExitCode;
 
@@ -20,7 +16,7 @@ use clap::Parser;
 use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
 use fsdp_harness::session::recompute_note;
-use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs};
+use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise};
 use step03_layerwise_shard::HeadGrad;
 use step03_layerwise_shard::tally::bytes_per_step;
 use step04_optimizer_state_shard::OptimizerStateShard;
@@ -29,6 +25,7 @@ use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, sta
 const LESSON: Lesson = Lesson {
     package: "step04-optimizer-state-shard",
     title: "optimizer-state shard: ZeRO stages 1, 2, 3 in mixed precision",
+    exercises: 2,
 };
 
 #[derive(Debug, Parser)]
@@ -80,6 +77,10 @@ fn main() -> ExitCode {
                 _ => Ok(()),
             },
         )?;
+        let needs = exercise::needs(4, 1, args.stage == 2, "at --stage 2 (ZeRO-2's hand-off)").and_then(|()| {
+            exercise::needs(4, 2, args.precision == Precision::Bf16, "under --precision bf16 (the bf16 gathers)")
+        });
+        fsdp_harness::edge::agree(world, needs)?;
         let mut zero = OptimizerStateShard::new(
             &s,
             start,

@@ -23,7 +23,7 @@ use candle_core::Var;
 use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
-use fsdp_harness::{MemoryTimeline, Session, Start};
+use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
 use step03_layerwise_shard::tally::lower_peak;
 use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, update_all};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
@@ -50,7 +50,8 @@ impl OptimizerStateShard {
     ) -> anyhow::Result<Self> {
         // Stages 1 and 2 keep each unit's compute copy unsharded from step to
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
-        let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype() };
+        // bf16 travels as each element's rounded bits (exercise 4.2).
+        let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype(), bf16_wire };
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are read: the start's source goes
         // Stage 3 runs lesson 03's schedule: what waits for the tied wte (lesson 03's default).
@@ -141,16 +142,9 @@ fn blockwise_step(
         let loss = blockwise::forward_backward(&s.model, &s.table, &vars, &batch, recompute, |_, grads| {
             // Each block (and the root) is a unit of its own here: a hand-off is a whole unit.
             let u = units.iter().position(|u| u.params().contains(&grads[0].0)).expect("every gradient has a unit");
-            let unit = &mut units[u];
-            assert!(unit.blocks() <= 1, "ZeRO-2's hand-off needs one block per unit");
-            let sum = sums[u].as_mut().expect("a unit's sum lives until my last micro-batch");
-            sum.add(|buf| unit.add_grads(&grads, buf))?;
-            if k == last {
-                // The hand-off: my share of the unit's gradient is complete.
-                unit.reduce_scatter(w, sum);
-                sums[u] = None;
-            }
-            Ok(())
+            assert!(units[u].blocks() <= 1, "ZeRO-2's hand-off needs one block per unit");
+            // Add to the unit's sum; after my last micro-batch, reduce-scatter it and free it (exercise 4.1).
+            exercise!(4, 1, hand_off(w, &mut units[u], &mut sums[u], &grads, k == last))
         })?;
         loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}, units reduce-scattered after the last"));
@@ -175,4 +169,10 @@ fn resident_vars(units: &[FsdpUnit], s: &Session) -> anyhow::Result<(Vec<Vec<Var
         units.iter().zip(&per_unit).flat_map(|(u, vs)| u.params().iter().copied().zip(vs.iter().cloned())).collect();
     in_order.sort_by_key(|(i, _)| *i);
     Ok((per_unit, in_order.into_iter().map(|(_, v)| v).collect()))
+}
+
+/// The bf16 bits a unit's all-gather sends: exercise 4.2, the learner's
+/// under `--mine 2` ([`UnitPolicy::bf16_wire`]).
+fn bf16_wire(shard: &[f32]) -> Vec<u16> {
+    exercise!(4, 2, to_bf16_bits(shard))
 }

@@ -1,5 +1,5 @@
 //! The MPI world and the collectives, each recorded in [`Traffic`].
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::time::Instant;
 
 use mpi::collective::SystemOperation;
@@ -28,6 +28,9 @@ pub struct World {
     traffic: RefCell<Traffic>,
     /// Reused by the ordered reductions: everyone's copy of my shard, N × shard.
     scratch: RefCell<Vec<f32>>,
+    /// How the ordered reductions add the N parts the all-to-all delivered
+    /// (see [`World::set_rank_sum`]).
+    rank_sum: Cell<fn(&mut [&mut [f32]])>,
 }
 
 const F32: usize = std::mem::size_of::<f32>();
@@ -38,7 +41,24 @@ impl World {
         let universe = mpi::initialize().ok_or(CommError::AlreadyInitialized)?;
         let comm = universe.world();
         let (rank, size) = (comm.rank() as usize, comm.size() as usize);
-        Ok(Self { _universe: universe, comm, rank, size, traffic: Default::default(), scratch: Default::default() })
+        Ok(Self {
+            _universe: universe,
+            comm,
+            rank,
+            size,
+            traffic: Default::default(),
+            scratch: Default::default(),
+            rank_sum: Cell::new(sum_pairwise),
+        })
+    }
+
+    /// Replaces how the ordered reduce-scatter adds what the all-to-all
+    /// delivered: `f(parts)` must leave in `parts[0]` the sum of the parts,
+    /// which arrive in global order (rank 0's first). The default is
+    /// [`sum_pairwise`], the tree every lesson's bits rely on; lesson 01
+    /// passes its own (its exercise 1.1).
+    pub fn set_rank_sum(&self, f: fn(&mut [&mut [f32]])) {
+        self.rank_sum.set(f);
     }
 
     pub fn rank(&self) -> usize {
@@ -145,7 +165,7 @@ impl World {
         scratch.resize(full.len(), 0.0);
         self.comm.all_to_all_into(full, &mut scratch[..]);
         let mut parts: Vec<&mut [f32]> = scratch.chunks_exact_mut(mine.len()).collect();
-        sum_pairwise(&mut parts); // in place, into the first
+        (self.rank_sum.get())(&mut parts); // in place, into the first: the pairwise tree
         mine.copy_from_slice(parts[0]);
     }
     // ANCHOR_END: ordered_reduce_scatter
@@ -189,7 +209,7 @@ impl World {
             self.comm.all_to_all_into(&send[..], &mut scratch[..]);
         }
         let mut parts: Vec<&mut [f32]> = scratch.chunks_exact_mut(n).collect();
-        sum_pairwise(&mut parts); // in place, into the first
+        (self.rank_sum.get())(&mut parts); // in place, into the first: the pairwise tree
         mine.copy_from_slice(parts[0]);
     }
     // ANCHOR_END: grouped_reduce_scatter

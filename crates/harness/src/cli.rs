@@ -93,6 +93,12 @@ pub struct TrainArgs {
     /// (its `latest`) or one of its step-* folders.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+
+    /// Run exercise NN.K with your code (the lesson's src/exercises.rs)
+    /// instead of the answer; repeat or list for several (--mine 1,2).
+    /// `just exercise NN-K` checks it against the committed snapshot.
+    #[arg(long, value_name = "K", value_delimiter = ',', value_parser = clap::value_parser!(u8))]
+    pub mine: Vec<u8>,
 }
 
 /// `120MB`, `1.5GB`, `512MiB`, `2e9`, `4096`: a size in bytes (MB = 10⁶, MiB = 2²⁰).

@@ -18,12 +18,19 @@ pub struct Lesson {
     /// The package and binary name, e.g. `step02-whole-model-shard`.
     pub package: &'static str,
     pub title: &'static str,
+    /// How many exercises run inside its step (`--mine K`, K from 1).
+    pub exercises: u8,
 }
 
 impl Lesson {
     /// `step02-whole-model-shard` → `02-whole-model-shard` (the crate folder and out/ subfolder).
     pub fn short(&self) -> &'static str {
         self.package.trim_start_matches("step")
+    }
+
+    /// `step02-whole-model-shard` → 2: the lesson's number.
+    pub fn number(&self) -> u8 {
+        self.short().split('-').next().and_then(|n| n.parse().ok()).unwrap_or(0)
     }
 }
 
@@ -79,6 +86,9 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
             .map(|s| s.to_string())
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_default();
+        if crate::exercise::stub_message(&msg, "").is_some() {
+            return; // an exercise's stub: `main` reports it once, on rank 0
+        }
         let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
         eprintln!("error (rank {}): internal error: {msg}{at}", RANK.load(Relaxed));
         if SIZE.load(Relaxed) > 1 {
@@ -86,7 +96,28 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
         }
     }));
 
-    let result = body(&world, &lesson);
+    // Every rank reaches an exercise's stub at the same point of the step
+    // (the step is the same program on every rank), so all unwind to here
+    // together: rank 0 names the file to edit, all exit with code 2.
+    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&world, &lesson))) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            match crate::exercise::stub_message(&msg, lesson.short()) {
+                Some(line) => {
+                    if world.is_root() {
+                        eprintln!("error: {line}");
+                    }
+                    return ExitCode::from(2);
+                }
+                None => std::panic::resume_unwind(payload),
+            }
+        }
+    };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => match e.downcast_ref::<Stop>() {

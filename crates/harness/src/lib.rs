@@ -9,7 +9,7 @@
 //!
 //! ```no_run
 //! use fsdp_harness::{Lesson, Session, TrainArgs};
-//! const LESSON: Lesson = Lesson { package: "step01-data-parallel", title: "data parallelism" };
+//! const LESSON: Lesson = Lesson { package: "step01-data-parallel", title: "data parallelism", exercises: 2 };
 //! fn main() -> std::process::ExitCode {
 //!     fsdp_harness::main(LESSON, |world, lesson| {
 //!         let args: TrainArgs = fsdp_harness::parse_args(lesson)?;
@@ -34,11 +34,13 @@
 //! | [`resume`] | before training: the checkpoint flags, and a checkpoint checked against this run |
 //! | [`save`] | the collective, atomic save of a checkpoint |
 //! | [`edge`] | `main`: errors reported once, on rank 0, every rank ends |
+//! | [`exercise`] | `--mine K`: the learner's code in place of an answer, inside the real step |
 //! | [`stop`] | SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit |
 
 pub mod alloc;
 pub mod cli;
 pub mod edge;
+pub mod exercise;
 pub mod report;
 pub mod resume;
 pub mod run;

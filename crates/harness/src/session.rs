@@ -189,6 +189,7 @@ impl<'w> Session<'w> {
                 m.div_ceil(n) * n
             );
         }
+        crate::exercise::check(lesson.number(), lesson.exercises, &args.mine).map_err(anyhow::Error::msg)?;
         let (corpus, cfg, sampler) = training_data(&args, m)?;
         let out = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(lesson.short()));
         if world.is_root() {
@@ -222,6 +223,7 @@ impl<'w> Session<'w> {
             }
             None => (Start { source: Source::Seed { table: table.clone(), seed: args.seed } }, None, vec![], 1),
         };
+        crate::exercise::set(lesson.number(), args.mine.clone());
         let s = Self {
             world,
             lesson: *lesson,
@@ -246,16 +248,15 @@ impl<'w> Session<'w> {
 
     // ANCHOR: clip
     /// `--grad-clip C`: the factor to scale the mean gradient by, min(1,
-    /// C / (‖g‖ + 1e-6)) as torch's `clip_grad_norm_`, from `mine`, the exact
-    /// sum of squares of the gradient elements this rank holds. When other
-    /// ranks hold the rest (`sharded`), the ranks' sums are gathered — one
-    /// 56-byte message per rank, the only step of the update that is not
-    /// elementwise. Exact sums need no agreed order: every lesson, at every
-    /// world size, gets the same ‖g‖ and the same factor. `None` without the flag.
-    pub fn clip_factor(&self, mine: ExactSquares, sharded: bool) -> Option<f32> {
+    /// C / (‖g‖ + 1e-6)) as torch's `clip_grad_norm_`, for the gradient's
+    /// global norm `norm` (recorded for the log line and the report). A
+    /// lesson whose ranks hold shards forms ‖g‖ from every rank's exact sum
+    /// of squares (lesson 03's exercise 3.2): one 56-byte message per rank,
+    /// the only step of the update that is not elementwise. Exact sums need
+    /// no agreed order: every lesson, at every world size, gets the same ‖g‖
+    /// and the same factor. `None` without the flag.
+    pub fn clip_factor_of(&self, norm: f64) -> Option<f32> {
         let c = self.args.grad_clip?;
-        let total = if sharded { self.world.exact_sum(&mine) } else { mine };
-        let norm = total.norm();
         self.grad_norm.set(Some(norm));
         // A NaN norm (a NaN or ∞ in the gradient) gives a NaN factor, as in
         // torch: the broken step shows. An overflowing sum (‖g‖ ≥ 2⁹⁶) gives 0.
@@ -269,12 +270,13 @@ impl<'w> Session<'w> {
         self.args.grad_clip.map(|_| ((self.world.size() - 1) * ExactSquares::WORDS * 8) as u64)
     }
 
-    /// [`Session::clip_factor`] for a rank that holds the whole mean gradient: clips it in place.
+    /// `--grad-clip` for a rank that holds the whole mean gradient (lessons
+    /// 01 and 02): its norm needs no other rank; clips it in place.
     pub fn clip_whole(&self, grads: &mut [f32]) {
         if self.args.grad_clip.is_none() {
             return; // no sum of squares to pay for
         }
-        if let Some(f) = self.clip_factor(ExactSquares::of(grads), false) {
+        if let Some(f) = self.clip_factor_of(ExactSquares::of(grads).norm()) {
             grads.iter_mut().for_each(|g| *g *= f);
         }
     }
@@ -664,6 +666,13 @@ impl<'w> Session<'w> {
             t.row([
                 "gradient clipping".to_string(),
                 format!("by the global norm to {c} (its sum of squares exact over every shard)"),
+            ]);
+        }
+        let mine = crate::exercise::mine_list();
+        if !mine.is_empty() {
+            t.row([
+                "your code".to_string(),
+                format!("exercise {} (src/exercises.rs), the answers elsewhere", mine.join(", ")),
             ]);
         }
         if let Some(b) = self.args.mem_budget {

@@ -47,6 +47,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         ("--mem-budget", a.mem_budget.is_some()),
         ("--sum-groups", a.sum_groups.is_some()),
         ("--grad-clip", a.grad_clip.is_some()),
+        ("--mine", !a.mine.is_empty()),
     ];
     if let Some((flag, _)) = ignored.iter().find(|(_, given)| *given) {
         bail!("{flag} does not apply: the reference data is the seed's start and batches; leave {flag} out");

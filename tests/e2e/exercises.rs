@@ -1,0 +1,237 @@
+//! The exercises: each is a piece of a lesson's real step, and its check is
+//! the lesson itself, run on 4 ranks with the learner's code in that place
+//! (`--mine K`): the losses, gradient norms, `--check` divergences, bytes
+//! sent and final weights, bit for bit, against the committed snapshot.
+//!
+//! - `every_answer_gives_its_snapshot` (CI): the answers produce the
+//!   snapshots — what a learner's code must produce.
+//! - `every_stub_stops_with_one_line_naming_its_file` (CI): the committed
+//!   stubs stop every rank with exit code 2 and one line naming the file.
+//! - `exercise_N_K` (ignored; `just exercise 0N-K` runs one): the learner's
+//!   code against the snapshot, with the reason when they differ.
+use std::path::Path;
+
+use crate::common::*;
+
+/// One exercise: its id ("2.1"), the lesson's package, and the flags of its check's run.
+struct Exercise {
+    id: &'static str,
+    package: &'static str,
+    args: &'static [&'static str],
+}
+
+const RANKS: usize = 4;
+
+/// Every run: the tiny preset, 3 steps of 16 micro-batches (4 per rank: a tree two levels deep) of 2 × 16 tokens.
+const BASE: &[&str] =
+    &["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--micro-batches", "16", "--log-every", "1"];
+
+const EXERCISES: &[Exercise] = &[
+    Exercise { id: "1.1", package: "step01-data-parallel", args: &[] },
+    Exercise { id: "1.2", package: "step01-data-parallel", args: &[] },
+    Exercise { id: "2.1", package: "step02-whole-model-shard", args: &["--no-plot"] },
+    Exercise { id: "2.2", package: "step02-whole-model-shard", args: &["--no-plot"] },
+    Exercise { id: "3.1", package: "step03-layerwise-shard", args: &["--no-plot"] },
+    // 0.3 against norms of about 2 to 6: every step clips.
+    Exercise { id: "3.2", package: "step03-layerwise-shard", args: &["--no-plot", "--grad-clip", "0.3"] },
+    Exercise { id: "4.1", package: "step04-optimizer-state-shard", args: &["--stage", "2"] },
+    Exercise { id: "4.2", package: "step04-optimizer-state-shard", args: &["--stage", "3", "--precision", "bf16"] },
+];
+
+impl Exercise {
+    fn k(&self) -> &'static str {
+        self.id.split('.').nth(1).unwrap()
+    }
+
+    fn snapshot_name(&self) -> String {
+        format!("exercise_{}", self.id.replace('.', "_"))
+    }
+
+    /// Runs the check's lesson, with the learner's code when `mine`.
+    fn run(&self, mine: bool) -> (std::process::Output, std::path::PathBuf) {
+        let mut args = [BASE, self.args].concat();
+        if mine {
+            args.extend(["--mine", self.k()]);
+        }
+        let name = format!("exercise-{}-{}", self.id, if mine { "mine" } else { "answer" });
+        mpirun(self.package, RANKS, &args, &name)
+    }
+
+    /// What the check compares: one line per fact, exact bits beside a readable value.
+    fn summary(&self, out: &Path) -> String {
+        let r = report(out);
+        let flags = [BASE, self.args].concat().join(" ");
+        let mut s = format!("exercise {}: {} on {RANKS} ranks, {flags}\n", self.id, self.package);
+        let f32s = |key: &str| -> Vec<f32> {
+            r[key].as_array().map(|a| a.iter().map(|x| x.as_f64().unwrap() as f32).collect()).unwrap_or_default()
+        };
+        for (i, loss) in f32s("losses").iter().enumerate() {
+            s += &format!("step {}: loss {:#010x} = {loss}\n", i + 1, loss.to_bits());
+        }
+        for (i, d) in f32s("divergence").iter().enumerate() {
+            s += &format!("step {}: --check max |sharded − replicated| = {d:.2e}\n", i + 1);
+        }
+        if let Some(norms) = r["grad_norms"].as_array().filter(|a| !a.is_empty()) {
+            for (i, n) in norms.iter().enumerate() {
+                let n = n.as_f64().unwrap();
+                s += &format!("step {}: gradient norm {:#018x} = {n}\n", i + 1, n.to_bits());
+            }
+        }
+        let steps = r["steps"].as_u64().unwrap();
+        let traffic = r["traffic"].as_object().unwrap();
+        for (kind, t) in traffic.iter().filter(|(k, _)| k.as_str() != "control") {
+            let sent = t["bytes_sent"].as_u64().unwrap();
+            if sent > 0 {
+                s += &format!("{kind}: {} bytes sent per step per rank\n", sent / steps);
+            }
+        }
+        s += &format!("final weights digest: {}\n", r["weights_digest"].as_str().unwrap());
+        s
+    }
+}
+
+#[test]
+fn every_answer_gives_its_snapshot() {
+    for e in EXERCISES {
+        let (o, out) = e.run(false);
+        ok_stdout(&o);
+        insta::assert_snapshot!(e.snapshot_name(), e.summary(&out));
+    }
+}
+
+#[test]
+fn every_stub_stops_with_one_line_naming_its_file() {
+    for e in EXERCISES {
+        let (o, out) = e.run(true);
+        let (code, lines) = failure(&o);
+        let dir = e.package.trim_start_matches("step");
+        let want = format!(
+            "error: exercise {} is not written yet: replace the todo!() under `TODO(exercise): {}` in crates/{dir}/src/exercises.rs (hints in the book's chapter; leave out --mine {} to run the answer)",
+            e.id,
+            e.id,
+            e.k()
+        );
+        assert_eq!((code, lines), (2, vec![want]), "exercise {}", e.id);
+        assert!(!out.join("report.json").exists(), "exercise {}: a stopped run wrote its report", e.id);
+    }
+}
+
+/// `--mine K` where the run would never call the learner's code is refused,
+/// so an exercise cannot pass by not running; an unknown K likewise.
+#[test]
+fn mine_is_refused_where_the_exercise_does_not_run() {
+    let fast = |extra: &[&'static str]| [BASE, extra].concat();
+    let cases: &[(&str, usize, &[&str], &str)] = &[
+        ("step01-data-parallel", 1, &["--mine", "1"], "--mine 1: exercise 1.1 runs only when ranks' sums are added"),
+        ("step02-whole-model-shard", 2, &["--mine", "2", "--no-check"], "leave out --no-check"),
+        ("step03-layerwise-shard", 2, &["--mine", "2"], "add --grad-clip"),
+        ("step04-optimizer-state-shard", 2, &["--mine", "1", "--stage", "3"], "at --stage 2"),
+        ("step04-optimizer-state-shard", 2, &["--mine", "2", "--precision", "fp32"], "under --precision bf16"),
+        ("step03-layerwise-shard", 2, &["--mine", "3"], "lesson 03 has exercises 3.1, 3.2"),
+    ];
+    for (i, (package, ranks, extra, says)) in cases.iter().enumerate() {
+        let line = fails(package, *ranks, &fast(extra), &format!("mine-refused-{i}"));
+        assert!(line.contains(says), "{package} {extra:?}: {line}");
+    }
+}
+
+/// The learner's code for exercise `id`, checked against its snapshot.
+fn check_mine(id: &str) {
+    let e = EXERCISES.iter().find(|e| e.id == id).expect("an exercise");
+    let (o, out) = e.run(true);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    if !o.status.success() {
+        panic!("\nexercise {id}: the run with your code stopped:\n{}{stderr}", tail(&stdout, 15));
+    }
+    println!("{}", tail(&stdout, 12));
+    let yours = e.summary(&out);
+    let path =
+        crate::common::root().join("tests/e2e/snapshots").join(format!("e2e__exercises__{}.snap", e.snapshot_name()));
+    let committed = std::fs::read_to_string(&path).expect("the committed snapshot");
+    let want = committed.splitn(3, "---\n").nth(2).expect("a snapshot body").to_string();
+    if yours.trim_end() != want.trim_end() {
+        eprintln!("\n✗ exercise {id}: {}\n", why(&want, &yours));
+    }
+    insta::assert_snapshot!(e.snapshot_name(), yours);
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n") + "\n"
+}
+
+/// Why two summaries differ, in words: other bytes, the same numbers in
+/// another order, or other numbers.
+fn why(want: &str, yours: &str) -> String {
+    let values = |s: &str, what: &str| -> Vec<f64> {
+        s.lines().filter(|l| l.contains(what)).filter_map(|l| l.rsplit("= ").next()?.parse().ok()).collect()
+    };
+    let bytes = |s: &str| s.lines().filter(|l| l.contains("bytes sent")).map(str::to_string).collect::<Vec<_>>();
+    if bytes(want) != bytes(yours) {
+        return format!(
+            "your step sends other bytes: {:?} where the lesson sends {:?} (see the exercise's hint on what travels)",
+            bytes(yours),
+            bytes(want)
+        );
+    }
+    for what in ["loss", "gradient norm", "max |sharded"] {
+        let (a, b) = (values(want, what), values(yours, what));
+        if let Some(i) = a.iter().zip(&b).position(|(x, y)| x.to_bits() != y.to_bits()) {
+            let rel = ((a[i] - b[i]) / a[i]).abs();
+            return if what == "max |sharded" {
+                format!("your divergence differs at step {}: {} where the lesson has {}", i + 1, b[i], a[i])
+            } else if rel < 1e-3 {
+                format!(
+                    "the {what} first differs at step {}, by {rel:.1e} of its value: nearly the same numbers, rounded otherwise — additions in another order (floating-point addition is not associative) or another rounding; see the exercise's hints",
+                    i + 1
+                )
+            } else {
+                format!(
+                    "the {what} differs at step {} ({} where the lesson has {}): your code computes other numbers",
+                    i + 1,
+                    b[i],
+                    a[i]
+                )
+            };
+        }
+    }
+    let digest = |s: &str| s.lines().find(|l| l.starts_with("final weights")).map(str::to_string);
+    if digest(want) != digest(yours) {
+        return "the losses match, but the final weights differ in their bits: the last update (or the gradient feeding it) was formed in another order".to_string();
+    }
+    let line = want.lines().zip(yours.lines()).find(|(a, b)| a != b).map_or("", |(a, _)| a);
+    format!("your run differs from the snapshot at the line `{line}`")
+}
+
+macro_rules! exercise_checks {
+    ($($name:ident => $id:literal),* $(,)?) => {$(
+        /// The learner's code (`--mine K`) against the committed snapshot: `just exercise`.
+        #[test]
+        #[ignore = "checks your code: run it with `just exercise NN-K`"]
+        fn $name() {
+            check_mine($id);
+        }
+    )*};
+}
+
+exercise_checks! {
+    exercise_1_1 => "1.1", exercise_1_2 => "1.2",
+    exercise_2_1 => "2.1", exercise_2_2 => "2.2",
+    exercise_3_1 => "3.1", exercise_3_2 => "3.2",
+    exercise_4_1 => "4.1", exercise_4_2 => "4.2",
+}
+
+#[test]
+fn why_says_order_or_other_numbers() {
+    let want = "step 1: loss 0x40000000 = 2\nstep 2: loss 0x3f800000 = 1\nall_reduce: 8 bytes sent per step per rank\n";
+    let order = want.replace("= 1\n", "= 1.0000001\n");
+    assert!(why(want, &order).contains("rounded otherwise"), "{}", why(want, &order));
+    let other = want.replace("= 1\n", "= 1.5\n");
+    assert!(why(want, &other).contains("other numbers"));
+    let bytes = want.replace("8 bytes", "16 bytes");
+    assert!(why(want, &bytes).contains("other bytes"));
+    let weights = format!("{want}final weights digest: 1\n");
+    assert!(why(&weights, &weights.replace(": 1", ": 2")).contains("final weights"));
+}
