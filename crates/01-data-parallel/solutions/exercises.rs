@@ -1,6 +1,8 @@
 //! # Lesson 01 — the answers to `src/exercises.rs`
 //!
 //! The lesson runs these unless `--mine K` switches exercise 1.K to yours.
+use std::ops::Range;
+
 use candle_core::Var;
 use fsdp_comm::MicroBatchSum;
 use fsdp_harness::Session;
@@ -17,22 +19,20 @@ pub fn sum_received(parts: &mut [&mut [f32]]) {
     left[0].iter_mut().zip(right[0].iter()).for_each(|(l, r)| *l += r);
 }
 
-/// 1.2: a contiguous share of the global batch (with N a power of two
-/// dividing M, every share is a subtree of the one-process tree), each
-/// micro-batch's gradient handed to the sum, which merges finished
-/// subtrees as it goes. Adding into one buffer instead would be micro-batch
-/// 0 + 1 + 2 + … (left to right): other roundings, other bits.
-pub fn accumulate_mine(
+/// 1.2: each micro-batch's gradient handed to the sum, which merges
+/// finished subtrees of the pairwise tree as it goes.
+pub fn accumulate_micro_batches(
     s: &Session,
     vars: &[Var],
     step: u64,
+    micro_batches: Range<usize>,
     recompute: bool,
     sums: &mut MicroBatchSum,
 ) -> anyhow::Result<f64> {
     let numel = s.table.numel();
     let all: Vec<usize> = (0..vars.len()).collect(); // every parameter-table entry
     let mut loss_sum = 0.0;
-    for k in s.my_micro_batches() {
+    for k in micro_batches {
         let (loss, grads) = s.forward_backward(vars, step, k, recompute)?;
         sums.add(|buf| grads.add_to(&all, vars, &mut buf[..numel]))?;
         loss_sum += loss as f64;

@@ -12,8 +12,10 @@
 //!
 //! Later lessons delete the redundant copies and must produce these bits.
 use std::borrow::Cow;
+use std::ops::Range;
 
 use anyhow::bail;
+use candle_core::Var;
 use fsdp_comm::{MicroBatchSum, ShardLayout};
 use fsdp_gpt::params::digest_f32;
 use fsdp_gpt::{AdamW, Precision};
@@ -80,7 +82,8 @@ impl DataParallel {
         // 1. forward/backward on my micro-batches, gradients summed in order (exercise 1.2)
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
         self.grads.reset();
-        let loss_sum = exercise!(1, 2, accumulate_mine(s, &vars, step, self.recompute, &mut self.grads))?;
+        let mine = s.my_micro_batches();
+        let loss_sum = accumulate_micro_batches(s, &vars, step, mine, self.recompute, &mut self.grads)?;
         drop(vars);
 
         // 2. all-reduce: the sum over ranks (its reduce-scatter adds with `sum_received`), then the mean
@@ -106,14 +109,9 @@ impl DataParallel {
     pub fn accumulate_step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
         let numel = s.table.numel();
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
-        let all: Vec<usize> = (0..vars.len()).collect();
         self.grads.reset(); // one process: all G group sums are mine
-        let mut loss_sum = 0.0;
-        for k in 0..s.sampler.micro_batches {
-            let (loss, grads) = s.forward_backward(&vars, step, k, self.recompute)?;
-            self.grads.add(|sum| grads.add_to(&all, &vars, &mut sum[..numel]))?;
-            loss_sum += loss as f64;
-        }
+        let every = 0..s.sampler.micro_batches;
+        let loss_sum = accumulate_micro_batches(s, &vars, step, every, self.recompute, &mut self.grads)?;
         drop(vars);
         let mut total = vec![0.0f32; numel];
         let mut parts: Vec<&mut [f32]> = self.grads.sums().iter_mut().map(|g| &mut g[..numel]).collect();
@@ -182,6 +180,20 @@ impl DataParallel {
         t.peak(moments);
         t
     }
+}
+
+/// Forward/backward on `micro_batches`, their gradients added onto `sums`
+/// in its order; returns the losses' sum: exercise 1.2, the learner's
+/// under `--mine 2`.
+pub fn accumulate_micro_batches(
+    s: &Session,
+    vars: &[Var],
+    step: u64,
+    micro_batches: Range<usize>,
+    recompute: bool,
+    sums: &mut MicroBatchSum,
+) -> anyhow::Result<f64> {
+    exercise!(1, 2, accumulate_micro_batches(s, vars, step, micro_batches, recompute, sums))
 }
 
 /// The ranks' parts added as the pairwise tree: exercise 1.1, the learner's

@@ -79,9 +79,14 @@ fn main() -> ExitCode {
             &[("--precision", args.precision.to_string()), ("--reduce", format!("{:?}", args.reduce).to_lowercase())],
         )?;
         fsdp_harness::edge::agree(world, check(s.sampler.micro_batches as u32))?;
-        let adds = args.reduce == Reduce::Ordered && (world.size() > 1 || accumulate.is_some_and(|n| n > 1));
-        let needs = exercise::needs(1, 1, adds, "when ranks' sums are added: run 2 or more ranks (--reduce ordered)")
-            .and_then(|()| exercise::needs(1, 2, accumulate.is_none(), "under mpirun, not under --accumulate"));
+        // The ranks' (or groups') sums are added by exercise 1.1's code only when there are several.
+        let adds = args.reduce == Reduce::Ordered && (world.size() > 1 || s.sum_groups.groups > 1);
+        let needs = exercise::needs(
+            1,
+            1,
+            adds,
+            "when sums are added: run 2 or more ranks (or --accumulate 2), --reduce ordered",
+        );
         fsdp_harness::edge::agree(world, needs)?;
         let groups = s.sum_groups.per_rank();
         if args.reduce == Reduce::Native && accumulate.is_none() && groups > 1 {

@@ -39,6 +39,11 @@ struct Args {
     /// forward, the same bits).
     #[arg(long)]
     recompute: bool,
+    /// Exercise 2.2's check: plant a known fault in the replicated reference
+    /// (the last parameter, in the last rank's shard, moved by 2⁻¹⁰ after
+    /// step 2 and made NaN after step 3), so that --check must report it.
+    #[arg(long, hide = true)]
+    check_probe: bool,
 }
 
 fn main() -> ExitCode {
@@ -47,13 +52,20 @@ fn main() -> ExitCode {
         let check = !args.no_check;
         let (s, start) = Session::new(world, lesson, args.train)?;
         let needs = fsdp_harness::exercise::needs(2, 2, check, "with the --check reference: leave out --no-check");
-        fsdp_harness::edge::agree(world, needs)?;
+        let probe = match (args.check_probe, check) {
+            (true, false) => {
+                Err(anyhow::anyhow!("--check-probe plants a fault for --check to find: leave out --no-check"))
+            }
+            _ => Ok(()),
+        };
+        fsdp_harness::edge::agree(world, needs.and(probe))?;
         s.print_config(&[
             ("check against replicated", if check { "every step".into() } else { "off (--no-check)".into() }),
             ("activations", recompute_note(args.recompute)),
         ]);
 
         let mut fsdp = WholeModelShard::new(&s, &start, check, args.recompute)?;
+        fsdp.probe = args.check_probe;
         drop(start); // my shard is read: the start's source goes
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let (mut ref_losses, mut divergence) = (vec![], vec![]);

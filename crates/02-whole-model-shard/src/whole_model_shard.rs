@@ -35,6 +35,8 @@ pub struct WholeModelShard {
     reference: Option<Reference>,
     /// `--recompute`: activation checkpointing, block by block.
     recompute: bool,
+    /// `--check-probe`: a known fault planted in the reference ([`plant_fault`]).
+    pub probe: bool,
 }
 
 /// The replicated reference of `--check`.
@@ -93,6 +95,7 @@ impl WholeModelShard {
             grad_shard: vec![0.0; layout.shard_len],
             reference,
             recompute,
+            probe: false,
         })
     }
 
@@ -137,6 +140,9 @@ impl WholeModelShard {
             Some(r) => {
                 let ref_loss = reference_loss(s, &r.params, step)?;
                 r.opt.step(&mut r.params, &self.grads.sums()[0][..numel]);
+                if self.probe {
+                    plant_fault(&mut r.params, step);
+                }
                 let d = exercise!(2, 2, divergence(w, &self.master, &r.params, self.layout, w.rank()));
                 (Some(ref_loss), Some(d))
             }
@@ -215,4 +221,17 @@ fn reference_loss(s: &Session, params: &[f32], step: u64) -> anyhow::Result<f32>
         sum += fsdp_gpt::model::loss(&logits, &b.targets)?.to_scalar::<f32>()? as f64;
     }
     Ok((s.world.sum_f64(&[sum])[0] / s.sampler.micro_batches as f64) as f32)
+}
+
+/// `--check-probe`, for exercise 2.2's check: `--check` must see a fault in
+/// the last rank's shard — the last parameter of the replicated reference
+/// moved by 2⁻¹⁰ after step 2, made NaN after step 3.
+fn plant_fault(params: &mut [f32], step: u64) {
+    if let Some(last) = params.last_mut() {
+        match step {
+            2 => *last += 1.0 / 1024.0,
+            3 => *last = f32::NAN,
+            _ => {}
+        }
+    }
 }

@@ -28,7 +28,8 @@ use crate::units::FsdpUnit;
 /// micro-batches, in order:
 ///
 /// 1. recompute the unit's forward from its saved input, this time with a
-///    graph (`crate::layerwise_shard::run_blocks` runs the unit's blocks);
+///    graph (`crate::layerwise_shard::run_blocks` runs the unit's blocks on
+///    tensors: the `Var`s' own, `as_tensor()`, which lead back to them);
 /// 2. pull `upstream[k]` back through it: one backward whose gradients are
 ///    the unit's weight gradients and its input's gradient;
 /// 3. add the weight gradients to the unit's gradient sum

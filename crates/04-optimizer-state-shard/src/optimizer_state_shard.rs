@@ -149,6 +149,11 @@ fn blockwise_step(
         loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}, units reduce-scattered after the last"));
     }
+    // Stage 2's promise: after the hand-offs no unit's full gradient sum is left.
+    anyhow::ensure!(
+        sums.iter().all(Option::is_none),
+        "exercise 4.1: a unit's gradient sum is still held after my last micro-batch: the hand-off must reduce-scatter it, then free it (set it to None)"
+    );
     drop(vars);
 
     // AdamW on my fp32 shard; all-gather the new compute copy (inside `update`).

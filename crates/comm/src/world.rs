@@ -129,20 +129,23 @@ impl World {
         }
         let (r, waited) = mpi::request::scope(|scope| {
             let request = self.comm.immediate_all_gather_into(scope, mine, all);
-            let r = work();
+            // A panic in `work` (an exercise's stub, which every rank reaches)
+            // must not drop the request in flight: wait for it, then go on unwinding.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
             let t0 = Instant::now();
             request.wait();
             (r, t0.elapsed().as_secs_f64())
         });
         self.traffic.borrow_mut().record(Collective::AllGather, bytes, bytes, waited);
-        r
+        r.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
     // ANCHOR_END: overlapped_gather
 
     /// **reduce-scatter**, ordered: `full` is this rank's contribution to the
     /// whole (padded) vector, N shards long; afterwards `mine` holds the sum
     /// over ranks of this rank's shard, added as the pairwise tree over ranks
-    /// 0..N−1 (see [`crate::reduce`]).
+    /// 0..N−1 (see [`crate::reduce`]) by the world's rank sum
+    /// ([`World::set_rank_sum`]).
     ///
     /// Implemented as an all-to-all (rank j receives everyone's shard j),
     /// then a local pairwise sum: the same bytes on the wire as a ring
@@ -285,16 +288,13 @@ impl World {
     /// The exact sum of every rank's [`ExactSquares`]: an all-gather of 56
     /// bytes per rank, merged on every rank (in any order: the same bits).
     pub fn exact_sum(&self, mine: &ExactSquares) -> ExactSquares {
+        if self.size == 1 {
+            return *mine; // nothing to gather, nothing to record
+        }
         let words = mine.to_words();
         let mut all = vec![0u64; words.len() * self.size];
         let bytes = (self.size - 1) * std::mem::size_of_val(&words);
-        self.timed(Collective::GradNorm, bytes, bytes, || {
-            if self.size == 1 {
-                all.copy_from_slice(&words);
-            } else {
-                self.comm.all_gather_into(&words[..], &mut all[..]);
-            }
-        });
+        self.timed(Collective::GradNorm, bytes, bytes, || self.comm.all_gather_into(&words[..], &mut all[..]));
         let mut total = ExactSquares::default();
         all.chunks_exact(ExactSquares::WORDS).for_each(|w| total.merge(&ExactSquares::from_words(w)));
         total

@@ -7,6 +7,10 @@
 //! - Errors or panics after setup, when other ranks may be waiting inside a
 //!   collective, print one line from the rank that failed and end the whole
 //!   job with `MPI_Abort`, so no rank is left hanging.
+//! - An exercise's stub (`todo!("exercise N.K …")`, see [`crate::exercise`])
+//!   is reached by every rank at the same point of the step: each unwinds
+//!   (waiting first for an overlapped all-gather in flight) to [`main`],
+//!   rank 0 names the file to edit, every rank exits with code 2.
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
@@ -98,7 +102,8 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
 
     // Every rank reaches an exercise's stub at the same point of the step
     // (the step is the same program on every rank), so all unwind to here
-    // together: rank 0 names the file to edit, all exit with code 2.
+    // (`World::all_gather_overlapped` waits for its gather in flight first):
+    // rank 0 names the file to edit, all exit with code 2.
     let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&world, &lesson))) {
         Ok(r) => r,
         Err(payload) => {
