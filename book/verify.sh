@@ -7,9 +7,11 @@
 #     prefetch listing's measured lines, which are nothing but timings.
 #  2. Every `$ just …` / `$ cargo …` command in the book's console blocks is
 #     run. It must succeed — except an exercise's check (`just exercise
-#     NN-K`) or a run with the learner's code (`--mine K`), which must fail
-#     on the committed stubs (the starting point a learner meets), saying
-#     so. (That the answers pass is `just test`'s tests/e2e/exercises.rs.)
+#     NN-K`) or a run with the learner's code (`--mine K`) while the
+#     exercise is still a stub (the starting point a learner meets): then it
+#     must fail, saying so. Once a learner has written it, it must pass.
+#     (That the answers pass: tests/e2e/exercises.rs and
+#     scripts/check-exercises.sh.)
 #  0. Every {{#include}} and its anchor, every image, every internal link
 #     resolves (tests/e2e/book.rs, also part of `just test`).
 set -euo pipefail
@@ -104,11 +106,14 @@ while IFS= read -r line; do
     # An exercise's command fails on its stub (what a learner meets first);
     # once the learner has written it, it must pass like any other.
     ex=$(echo "$cmd" | sed -nE 's/^just exercise ([0-9]+)-([0-9]+).*/\1 \2/p; s/^just step ([0-9]+) .*--mine ([0-9]+).*/\1 \2/p')
+    written=0
     if [ -n "$ex" ]; then
         read -r nn k <<< "$ex"
-        grep -qF "todo!(\"exercise $((10#$nn)).$k" crates/"$nn"-*/src/exercises.rs || ex=""
+        grep -qF "todo!(\"exercise $((10#$nn)).$k" crates/"$nn"-*/src/exercises.rs || written=1
+    elif [[ "$cmd" == just\ exercise\ * || "$cmd" == *--mine\ * ]]; then
+        echo "✗ $cmd: an exercise command this script cannot read (write it as \`just exercise NN-K\` or \`just step NN … --mine K\`)"; fail=1; continue
     fi
-    if [ -z "$ex" ] && [[ "$cmd" == just\ exercise\ * || "$cmd" == *--mine\ * ]]; then
+    if [ $written -eq 1 ]; then
         if bash -c "$cmd" < /dev/null > "$log" 2>&1; then echo "✓ $cmd (your exercise)"; else echo "✗ $cmd failed:"; tail -20 "$log"; fail=1; fi
     elif [[ "$cmd" == just\ exercise\ * ]]; then
         if bash -c "$cmd" < /dev/null > "$log" 2>&1; then

@@ -80,7 +80,9 @@ fn main() -> ExitCode {
         )?;
         fsdp_harness::edge::agree(world, check(s.sampler.micro_batches as u32))?;
         // The ranks' (or groups') sums are added by exercise 1.1's code only when there are several.
-        let adds = args.reduce == Reduce::Ordered && (world.size() > 1 || s.sum_groups.groups > 1);
+        // (--accumulate adds the group sums itself, whatever --reduce says.)
+        let ordered = accumulate.is_some() || args.reduce == Reduce::Ordered;
+        let adds = ordered && (world.size() > 1 || s.sum_groups.groups > 1);
         let needs = exercise::needs(
             1,
             1,
