@@ -39,6 +39,26 @@ cp out/book/02-two-ranks/shard_vs_replicated.svg "$gen/02-shard-vs-replicated.sv
     done
 } > "$gen/02-recompute.txt"
 echo "· 02-recompute"
+# What recompute costs in time: the same runs with and without --recompute,
+# alternated, three pairs, on this machine now; each run's median step.
+python3 - "$gen/02-recompute-time.txt" <<'PY'
+import json, statistics, subprocess, sys
+runs = {"kept": [], "recomputed": []}
+for _ in range(3):
+    for name, flag in (("kept", []), ("recomputed", ["--recompute"])):
+        out = f"out/book/02-recompute-time-{name}"
+        subprocess.run(["mpirun", "-q", "-n", "2", "target/release/step02-whole-model-shard", "--no-check", "--no-plot",
+                        "--steps", "20", "--out", out, *flag], check=True, stdout=subprocess.DEVNULL)
+        runs[name].append(json.load(open(f"{out}/report.json"))["median_step_seconds"] * 1e3)
+kept, rec = (statistics.median(runs[k]) for k in ("kept", "recomputed"))
+with open(sys.argv[1], "w") as f:
+    f.write("timing: lesson 02, tiny preset, 2 ranks, 20 steps; 3 pairs run alternately; each run's median step\n")
+    for name in ("kept", "recomputed"):
+        each = ", ".join(f"{x:.2f} ms" for x in runs[name])
+        f.write(f"timing: activations {name:<10} median {statistics.median(runs[name]):.2f} ms  (runs: {each})\n")
+    f.write(f"timing: --recompute takes {rec / kept:.2f} times as long per step; one more forward of every block predicts about 1.33\n")
+PY
+echo "· 02-recompute-time"
 run 03-two-ranks 2 step03-layerwise-shard
 cp out/book/03-two-ranks/memory_timeline.svg "$gen/03-memory-timeline.svg"
 # A shape where the weights, not the activations, fill memory: the small
@@ -62,6 +82,8 @@ run 04-stage1-four-ranks 4 step04-optimizer-state-shard --stage 1
 echo "· 04-tally"
 target/release/zero-tally 7B 64 > "$gen/04-tally-7b-64.txt"
 target/release/zero-tally 405B 1024 > "$gen/04-tally-405b-1024.txt"
+target/release/zero-tally 70B 256 --hsdp 8 > "$gen/04-tally-70b-256-hsdp-8.txt"
+target/release/zero-tally 70B 64 --offload > "$gen/04-tally-70b-64-offload.txt"
 echo "· 04-fits"
 just fits 2>/dev/null > "$gen/04-fits.txt"
 echo "· 04-zero-memory"

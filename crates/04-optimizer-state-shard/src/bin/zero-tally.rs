@@ -1,6 +1,9 @@
 //! `zero-tally PARAMS RANKS`: model-state bytes per device for data
 //! parallelism and ZeRO stages 1, 2, 3, from first principles — e.g.
-//! `just tally 7B 64`, `just tally 405B 1024`. No model is built: instant.
+//! `just tally 7B 64`, `just tally 405B 1024`. `--hsdp S` adds hybrid
+//! sharding (shard within groups of S ranks, replicate across groups) and
+//! what it trades; `--offload` moves the optimizer state to host memory.
+//! No model is built: instant.
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -23,6 +26,14 @@ struct Args {
     /// Memory per device, in GB, for the "fits?" column.
     #[arg(long, default_value_t = 80.0)]
     device_gb: f64,
+    /// Hybrid sharding (PyTorch's HSDP, DeepSpeed's hpZ/MiCS): shard within
+    /// groups of S ranks (e.g. one node), replicate across the N/S groups.
+    #[arg(long, value_name = "S", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    hsdp: Option<u64>,
+    /// Keep the optimizer state (the K bytes: fp32 master, m, v) in host
+    /// memory, as ZeRO-Offload and FSDP's CPU offload do; the update runs there.
+    #[arg(long)]
+    offload: bool,
 }
 
 fn parse_count(s: &str) -> Result<f64, String> {
@@ -46,40 +57,106 @@ fn main() -> ExitCode {
             a.k >= 0.0 && a.k.is_finite() && a.device_gb > 0.0 && a.device_gb.is_finite(),
             "--k must be ≥ 0 and --device-gb > 0"
         );
+        if let Some(s) = a.hsdp {
+            anyhow::ensure!(
+                a.ranks.is_multiple_of(s),
+                "--hsdp {s} does not divide {} ranks into equal shard groups: pass a divisor of {}",
+                a.ranks,
+                a.ranks
+            );
+        }
         tally(&a);
+        if let Some(s) = a.hsdp {
+            hsdp(&a, s);
+        }
         Ok(())
     })
 }
 
+/// One row per scheme: its formula, bytes per parameter on the device, GB on
+/// the device, GB in host memory under `--offload`, and whether it fits.
+fn rows(a: &Args, shard_ranks: u64, names: &[(u8, String)], formulas: &[&str]) -> Table {
+    let fits_col = format!("fits {} GB?", a.device_gb);
+    let mut head = vec!["scheme", "formula", "bytes / param / device", "GB / device"];
+    if a.offload {
+        head.push("GB in host memory / device");
+    }
+    head.push(&fits_col);
+    let mut t = Table::new(head);
+    for ((stage, name), f) in names.iter().zip(formulas) {
+        let all = model_state_bytes(a.params, shard_ranks, *stage, a.k);
+        // Offload: the K bytes leave the device (sharded from stage 1 on).
+        let host = if a.offload {
+            model_state_bytes(a.params, shard_ranks, *stage, a.k)
+                - model_state_bytes(a.params, shard_ranks, *stage, 0.0)
+        } else {
+            0.0
+        };
+        let device = all - host;
+        let mut row =
+            vec![name.clone(), f.to_string(), format!("{:.3}", device / a.params), format!("{:.2}", device / 1e9)];
+        if a.offload {
+            row.push(format!("{:.2}", host / 1e9));
+        }
+        row.push(if device <= a.device_gb * 1e9 { "yes" } else { "no" }.to_string());
+        t.row(row);
+    }
+    t
+}
+
 /// The table, and which schemes fit the device.
 fn tally(a: &Args) {
-    let formulas = ["(2 + 2 + K)·Ψ", "2Ψ + 2Ψ + K·Ψ/N", "2Ψ + (2 + K)·Ψ/N", "(2 + 2 + K)·Ψ/N"];
+    let formulas = match a.offload {
+        false => ["(2 + 2 + K)·Ψ", "2Ψ + 2Ψ + K·Ψ/N", "2Ψ + (2 + K)·Ψ/N", "(2 + 2 + K)·Ψ/N"],
+        true => ["(2 + 2)·Ψ", "2Ψ + 2Ψ", "2Ψ + 2·Ψ/N", "(2 + 2)·Ψ/N"], // on the device; K on the host
+    };
     println!(
         "Model states per device: Ψ = {} parameters on N = {} ranks; bf16 weights and gradients (2 + 2 bytes), K = {} bytes of optimizer state (fp32 master, AdamW m and v).\n",
         thousands(a.params as u64),
         thousands(a.ranks),
         a.k
     );
-    let mut t = Table::new([
-        "scheme",
-        "formula",
-        "bytes / param / device",
-        "GB / device",
-        &format!("fits {} GB?", a.device_gb),
-    ]);
-    for (&(stage, name), f) in SCHEMES.iter().zip(formulas) {
-        let bytes = model_state_bytes(a.params, a.ranks, stage, a.k);
-        let fits = if bytes <= a.device_gb * 1e9 { "yes" } else { "no" };
-        t.row([
-            name.to_string(),
-            f.to_string(),
-            format!("{:.3}", bytes / a.params),
-            format!("{:.2}", bytes / 1e9),
-            fits.to_string(),
-        ]);
-    }
-    println!("{}", t.render());
+    let names: Vec<(u8, String)> = SCHEMES.iter().map(|&(st, n)| (st, n.to_string())).collect();
+    println!("{}", rows(a, a.ranks, &names, &formulas).render());
     println!(
         "GB = 10⁹ bytes. Activations, temporary buffers and fragmentation come on top; ZeRO-3's unsharded unit too."
+    );
+    if a.offload {
+        println!(
+            "--offload: the formulas are the device's; the K bytes per parameter (K·Ψ, or K·Ψ/N once sharded) live in host memory, and each step sends the gradient shard to the host and the updated weights back."
+        );
+    }
+}
+
+/// Hybrid sharding: every stage sharded over S ranks instead of N, and the
+/// communication it buys, per device per step, in units of Ψ elements:
+/// within a shard group (a node's fast links) and across groups.
+fn hsdp(a: &Args, s: u64) {
+    let (n, r) = (a.ranks as f64, (a.ranks / s) as f64);
+    let sf = s as f64;
+    println!(
+        "\nHSDP: shard within groups of S = {s} ranks, replicate across N/S = {} groups (model states as above with N → S):\n",
+        a.ranks / s
+    );
+    let names: Vec<(u8, String)> = SCHEMES[1..].iter().map(|&(st, _)| (st, format!("HSDP, ZeRO-{st}"))).collect();
+    let formulas = match a.offload {
+        false => ["2Ψ + 2Ψ + K·Ψ/S", "2Ψ + (2 + K)·Ψ/S", "(2 + 2 + K)·Ψ/S"],
+        true => ["2Ψ + 2Ψ", "2Ψ + 2·Ψ/S", "(2 + 2)·Ψ/S"],
+    };
+    println!("{}", rows(a, s, &names, &formulas).render());
+    // ZeRO-3 each step: two all-gathers of the weights, one reduce-scatter of
+    // the gradient, each moving (G−1)/G of Ψ over a group of G; HSDP adds an
+    // all-reduce of the Ψ/S gradient shard among the R replicas.
+    let mut t =
+        Table::new(["ZeRO-3, elements sent / device / step", "collectives within a group", "spanning groups", "total"]);
+    let full = 3.0 * (n - 1.0) / n;
+    let (inner, outer) = (3.0 * (sf - 1.0) / sf, 2.0 * (r - 1.0) / r / sf);
+    let cell = |x: f64| format!("{x:.3} Ψ");
+    t.row(["sharded over all N".to_string(), "—".to_string(), cell(full), cell(full)]);
+    t.row([format!("HSDP, S = {s}"), cell(inner), cell(outer), cell(inner + outer)]);
+    println!("{}", t.render());
+    println!(
+        "Full sharding's gathers and reduce-scatter span all N ranks, so they run over the slow links between groups; HSDP keeps them inside a group and sends across groups only an all-reduce of its Ψ/S gradient shard. The price is memory: each device holds 1/S of the sharded states instead of 1/N, N/S = {} times as much.",
+        a.ranks / s
     );
 }
