@@ -148,6 +148,23 @@ compare-pytorch *ARGS: build
     fi
     exit $status
 
+# The α–β model of this machine's MPI (latency, bandwidth), fitted from an all-gather sweep, and each
+# lesson's time in collectives per step predicted from its bytes beside what it measured (2 ranks, tiny).
+alpha-beta: build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    out=out/alpha-beta; rm -rf "$out"; mkdir -p "$out"
+    # A barrier before every collective: its time is then the data's, the wait for the other rank apart.
+    run() { local name=$1; shift; FSDP_SYNC_COLLECTIVES=1 mpirun -q -n 2 "$@" --steps 20 --log-every 20 --out "$out/$name" < /dev/null > /dev/null; }
+    run 01-data-parallel target/release/step01-data-parallel
+    run 02-whole-model-shard target/release/step02-whole-model-shard --no-check --no-plot
+    run 03-layerwise-shard target/release/step03-layerwise-shard --no-plot
+    run 03-layerwise-shard-prefetch target/release/step03-layerwise-shard --no-plot --prefetch
+    flops=$(target/release/fsdp-bench --matmul-only | sed -E 's/.*"matmul_peak_flops":([0-9.eE+-]+).*/\1/')
+    mpirun -q -n 2 target/release/fsdp-alpha-beta --matmul-flops "$flops" --out "$out" "$out"/*/report.json
+    # Timings: the book's performance appendix shows this run's (book-verify reruns it, compares nothing).
+    cp "$out/alpha-beta.txt" book/src/generated/bench-alpha-beta.txt
+
 # Does this machine compute the book's bits? Short reference runs, compared with the book's listing.
 check-bits: build
     #!/usr/bin/env bash

@@ -80,6 +80,7 @@ for committed in book/src/generated/*; do
     name=$(basename "$committed")
     # `just bench` writes these (ten minutes of runs); every number in them is
     # a timing or a measurement, so there is nothing to compare but their presence.
+    if [[ "$name" == bench-alpha-beta* ]]; then echo "· $name: from \`just alpha-beta\` (run below), timings only (not compared)"; continue; fi
     if [[ "$name" == bench* ]]; then echo "· $name: from \`just bench\`, timings only (not compared)"; continue; fi
     # `just compare-pytorch` writes this one: it needs PyTorch (5 GiB), which CI does not install.
     if [[ "$name" == compare-pytorch* ]]; then echo "· $name: from \`just compare-pytorch\`, timings only (not compared)"; continue; fi

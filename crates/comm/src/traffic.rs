@@ -38,7 +38,12 @@ pub struct TrafficStats {
     pub calls: u64,
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// Inside the collective (waiting for other ranks included, unless they
+    /// were synchronised first: [`crate::World`] under `FSDP_SYNC_COLLECTIVES=1`).
     pub seconds: f64,
+    /// Under `FSDP_SYNC_COLLECTIVES=1`: in the barrier before each call —
+    /// waiting for the slowest rank to arrive, not moving data.
+    pub waited: f64,
 }
 
 /// Totals for every kind, indexed by [`Collective`].
@@ -52,12 +57,13 @@ impl Traffic {
         self.stats[kind as usize]
     }
 
-    pub fn record(&mut self, kind: Collective, sent: usize, received: usize, seconds: f64) {
+    pub fn record(&mut self, kind: Collective, sent: usize, received: usize, seconds: f64, waited: f64) {
         let s = &mut self.stats[kind as usize];
         s.calls += 1;
         s.bytes_sent += sent as u64;
         s.bytes_received += received as u64;
         s.seconds += seconds;
+        s.waited += waited;
     }
 
     /// Seconds spent in all collectives.

@@ -31,6 +31,10 @@ pub struct World {
     /// How the ordered reductions add the N parts the all-to-all delivered
     /// (see [`World::set_rank_sum`]).
     rank_sum: Cell<fn(&mut [&mut [f32]])>,
+    /// `FSDP_SYNC_COLLECTIVES=1`: a barrier before every timed collective, so
+    /// that its time is the data's alone and the wait for the slowest rank is
+    /// counted apart (`just alpha-beta`). Off by default: it costs a message.
+    sync: bool,
 }
 
 const F32: usize = std::mem::size_of::<f32>();
@@ -49,6 +53,7 @@ impl World {
             traffic: Default::default(),
             scratch: Default::default(),
             rank_sum: Cell::new(sum_pairwise),
+            sync: std::env::var_os("FSDP_SYNC_COLLECTIVES").is_some_and(|v| v == "1"),
         })
     }
 
@@ -89,9 +94,17 @@ impl World {
     }
 
     fn timed<R>(&self, kind: Collective, sent: usize, received: usize, f: impl FnOnce() -> R) -> R {
+        let waited = match self.sync && self.size > 1 {
+            false => 0.0,
+            true => {
+                let t0 = Instant::now();
+                self.comm.barrier();
+                t0.elapsed().as_secs_f64()
+            }
+        };
         let t0 = Instant::now();
         let r = f();
-        self.traffic.borrow_mut().record(kind, sent, received, t0.elapsed().as_secs_f64());
+        self.traffic.borrow_mut().record(kind, sent, received, t0.elapsed().as_secs_f64(), waited);
         r
     }
 
@@ -136,7 +149,7 @@ impl World {
             request.wait();
             (r, t0.elapsed().as_secs_f64())
         });
-        self.traffic.borrow_mut().record(Collective::AllGather, bytes, bytes, waited);
+        self.traffic.borrow_mut().record(Collective::AllGather, bytes, bytes, waited, 0.0);
         r.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
     // ANCHOR_END: overlapped_gather

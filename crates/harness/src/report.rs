@@ -353,7 +353,7 @@ impl<'a, 'w> Report<'a, 'w> {
             "peak_rss_bytes": rss,
             "traffic": Collective::ALL.iter().map(|k| {
                 let st = traffic.get(*k);
-                (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "seconds": st.seconds}))
+                (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "seconds": st.seconds, "waited_seconds": st.waited}))
             }).collect::<serde_json::Map<_, _>>(),
         });
         if let Value::Object(o) = &mut j {

@@ -1,0 +1,224 @@
+//! `fsdp-alpha-beta` (`just alpha-beta`): the α–β model of communication,
+//! measured on this machine and checked against the lessons.
+//!
+//! A message of b bytes costs α + b·β: α the latency of one message, β the
+//! time per byte (1/β the bandwidth). An all-gather over N ranks sends N − 1
+//! messages of each rank's shard, so it costs (N − 1)(α + b·β). Run under
+//! mpirun, this binary
+//!
+//! 1. times all-gathers of shards from 4 bytes to 4 MiB, fits α and β (α
+//!    from the smallest message, β from the largest) and sets the model
+//!    beside every measured size;
+//! 2. predicts each lesson's time in collectives per step from its
+//!    report.json (calls and bytes of each collective) and sets it beside the
+//!    time the lesson measured;
+//! 3. says how large a unit must be for `--prefetch` to hide its all-gather
+//!    behind the previous unit's forward, here and — on paper, from
+//!    datasheet figures — on GPUs linked by NVLink or InfiniBand.
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Parser;
+use fsdp_harness::Lesson;
+use fsdp_harness::table::{Table, thousands};
+
+const TOOL: Lesson = Lesson {
+    package: "fsdp-alpha-beta",
+    title: "the α–β model of this machine's MPI, checked against the lessons",
+    exercises: 0,
+};
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// report.json files of lesson runs at this world size, to predict.
+    reports: Vec<PathBuf>,
+    /// Also write what is printed to <DIR>/alpha-beta.txt.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Timed repetitions per message size (after 5 untimed).
+    #[arg(long, default_value_t = 41)]
+    reps: usize,
+    /// This machine's single-thread matmul rate in FLOP/s (`fsdp-bench
+    /// --matmul-only`), for the size of unit that hides its gather.
+    #[arg(long, value_name = "FLOPS")]
+    matmul_flops: Option<f64>,
+}
+
+/// Shard sizes swept, in f32 elements: 4 B to 4 MiB per rank.
+const SIZES: [usize; 8] = [1, 16, 256, 1024, 4096, 65_536, 262_144, 1_048_576];
+
+fn main() -> std::process::ExitCode {
+    fsdp_harness::main(TOOL, |world, lesson| {
+        let a: Args = fsdp_harness::parse_args(lesson)?;
+        // Everything said goes to stdout on rank 0, and into --out's file.
+        let mut text = String::new();
+        macro_rules! say {
+            ($($arg:tt)*) => {{
+                use std::fmt::Write as _;
+                writeln!(text, $($arg)*).expect("a String takes any text");
+            }};
+        }
+        let n = world.size();
+        anyhow::ensure!(n > 1, "the α–β sweep needs messages between ranks: run it under mpirun with 2 or more ranks");
+        // 1. The sweep: each size's median over the reps, the slowest rank's.
+        let mut measured = vec![];
+        for &len in &SIZES {
+            let mine = vec![1.0f32; len];
+            let mut all = vec![0.0f32; len * n];
+            let mut times = vec![];
+            for rep in 0..a.reps + 5 {
+                world.gather_control(&[0u8]); // everyone starts together
+                let t0 = Instant::now();
+                world.all_gather(&mine, &mut all);
+                if rep >= 5 {
+                    times.push(t0.elapsed().as_secs_f64());
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
+            measured.push(world.gather_control(&[median]).into_iter().fold(0.0, f64::max));
+        }
+        let hops = (n - 1) as f64;
+        let bytes = |len: usize| (len * 4) as f64;
+        // The line through the smallest and the largest message: α is almost all of the
+        // first (4 bytes), b·β almost all of the last (4 MiB).
+        let last = SIZES.len() - 1;
+        let beta = (measured[last] - measured[0]) / hops / (bytes(SIZES[last]) - bytes(SIZES[0]));
+        let alpha = measured[0] / hops - bytes(SIZES[0]) * beta;
+        let model = |b: f64, messages: f64| messages * alpha + b * beta;
+        say!(
+            "α–β model of MPI on this machine, {n} ranks (all-gathers, median of {} after 5 untimed, the slowest rank's):",
+            a.reps
+        );
+        say!("α = {:.2} µs per message, 1/β = {:.2} GB/s\n", alpha * 1e6, 1e-9 / beta);
+        let mut t = Table::new(["shard (bytes)", "measured (µs)", "model (N−1)(α + b·β) (µs)", "model / measured"]);
+        for (&len, &m) in SIZES.iter().zip(&measured) {
+            let p = model(hops * bytes(len), hops);
+            t.row([
+                thousands(len as u64 * 4),
+                format!("{:.2}", m * 1e6),
+                format!("{:.2}", p * 1e6),
+                format!("{:.2}", p / m),
+            ]);
+        }
+        say!("{}\n", t.render());
+
+        // 2. The lessons: calls and bytes per step, predicted against measured.
+        if !a.reports.is_empty() {
+            say!(
+                "Each lesson's time in collectives per step: the model from its calls and bytes, beside what the run measured inside them and, apart, in the barrier before each (run with FSDP_SYNC_COLLECTIVES=1: waiting for the slower rank):\n"
+            );
+            let mut t = Table::new([
+                "run",
+                "collective",
+                "calls / step",
+                "bytes sent / step",
+                "predicted (ms)",
+                "measured (ms)",
+                "waiting before (ms)",
+            ]);
+            for path in &a.reports {
+                let r: serde_json::Value = serde_json::from_str(
+                    &std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
+                )
+                .with_context(|| format!("{} is not a report.json", path.display()))?;
+                anyhow::ensure!(
+                    r["world_size"].as_u64() == Some(n as u64),
+                    "{} ran at {} ranks, the sweep at {n}: run both at one world size",
+                    path.display(),
+                    r["world_size"]
+                );
+                let steps = r["steps"].as_f64().context("steps")?;
+                let name: String =
+                    path.parent().and_then(|p| p.file_name()).map_or("?".into(), |s| s.to_string_lossy().into());
+                let traffic = r["traffic"].as_object().context("traffic")?;
+                for (kind, s) in traffic {
+                    let calls = s["calls"].as_f64().unwrap_or(0.0) / steps;
+                    let sent = s["bytes_sent"].as_f64().unwrap_or(0.0) / steps;
+                    if calls == 0.0 {
+                        continue;
+                    }
+                    // The ordered all-reduce is an all-to-all, then an all-gather: two rounds of N − 1 messages.
+                    let rounds = if kind == "all_reduce" { 2.0 } else { 1.0 };
+                    let predicted = model(sent, calls * rounds * hops);
+                    let took = s["seconds"].as_f64().unwrap_or(0.0) / steps;
+                    let waited = s["waited_seconds"].as_f64().unwrap_or(0.0) / steps;
+                    t.row([
+                        name.clone(),
+                        kind.clone(),
+                        format!("{calls:.1}"),
+                        thousands(sent as u64),
+                        format!("{:.3}", predicted * 1e3),
+                        format!("{:.3}", took * 1e3),
+                        format!("{:.3}", waited * 1e3),
+                    ]);
+                }
+            }
+            say!("{}", t.render());
+            say!(
+                "Under --prefetch the all-gathers are non-blocking: their measured time is only the exposed wait after the overlapped compute, and they get no barrier.\n"
+            );
+        }
+
+        // 3. When does --prefetch hide a unit's all-gather behind the previous unit's forward?
+        // Forward costs 2 FLOPs per parameter per token; the gather (N − 1)α + (N − 1)/N · P·e·β.
+        // Hidden when 2·P·tokens/rate ≥ that: P ≥ (N − 1)α / (2·tokens/rate − (N − 1)/N · e·β).
+        let hides = |alpha: f64, beta: f64, rate: f64, tokens: f64, e: f64, n: f64| -> Option<f64> {
+            let per_param = 2.0 * tokens / rate - (n - 1.0) / n * e * beta;
+            (per_param > 0.0).then(|| (n - 1.0) * alpha / per_param)
+        };
+        if let Some(gflops) = a.matmul_flops.map(|f| f / 1e9) {
+            say!(
+                "--prefetch hides a unit's fp32 all-gather behind the previous unit's forward (2 FLOPs per parameter per token, at this machine's matmul rate, {gflops:.1} GFLOP/s, an upper bound on the model's) when the unit holds at least:\n"
+            );
+            let mut t = Table::new(["tokens per rank per step", "parameters per unit"]);
+            for tokens in [64.0, 256.0, 1024.0, 4096.0] {
+                let p = hides(alpha, beta, gflops * 1e9, tokens, 4.0, n as f64);
+                t.row([thousands(tokens as u64), p.map_or("never: bandwidth-bound".into(), |p| thousands(p as u64))]);
+            }
+            let floor = gflops * 1e9 * (n as f64 - 1.0) / n as f64 * 4.0 * beta / 2.0;
+            say!("{}", t.render());
+            say!("Bandwidth-bound (no unit hides its gather) below {floor:.1} tokens per rank per step here.\n");
+        }
+        say!(
+            "On paper — datasheet figures, not measured here, and α assumed — the same bound for bf16 units (2 bytes) on NVIDIA H100s (989 TFLOP/s dense bf16), 8 ranks:\n"
+        );
+        let mut t = Table::new([
+            "link",
+            "1/β (GB/s, per direction)",
+            "α (µs, assumed)",
+            "tokens per rank per step",
+            "parameters per unit",
+        ]);
+        for (link, gbs, us) in [("NVLink 4 (900 GB/s both ways)", 450.0, 5.0), ("InfiniBand NDR (400 Gb/s)", 50.0, 5.0)]
+        {
+            for tokens in [1024.0, 4096.0, 16_384.0] {
+                let p = hides(us * 1e-6, 1e-9 / gbs, 989e12, tokens, 2.0, 8.0);
+                t.row([
+                    link.to_string(),
+                    format!("{gbs:.0}"),
+                    format!("{us:.0}"),
+                    thousands(tokens as u64),
+                    p.map_or("never: bandwidth-bound".into(), |p| thousands(p as u64)),
+                ]);
+            }
+        }
+        say!("{}", t.render());
+        // Below rate · (N − 1)/N · e / (2 · bandwidth) tokens the gather outlasts any unit's forward.
+        let floor = |gbs: f64| 989e12 * (7.0 / 8.0) * 2.0 / (2.0 * gbs * 1e9);
+        say!(
+            "Bandwidth-bound (no unit hides its gather) below {} tokens per rank per step on NVLink, {} on InfiniBand: 989e12 · (7/8) · 2 bytes / (2 · bytes/s).",
+            thousands(floor(450.0) as u64),
+            thousands(floor(50.0) as u64)
+        );
+        if world.is_root() {
+            print!("{text}");
+            if let Some(dir) = &a.out {
+                std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+                std::fs::write(dir.join("alpha-beta.txt"), &text)?;
+            }
+        }
+        Ok(())
+    })
+}
