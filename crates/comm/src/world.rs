@@ -45,6 +45,12 @@ impl World {
         let universe = mpi::initialize().ok_or(CommError::AlreadyInitialized)?;
         let comm = universe.world();
         let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+        // FSDP_SYNC_COLLECTIVES: every rank must agree, or a barrier would meet
+        // a collective (a rank on another machine may not see the variable).
+        let mine = u8::from(std::env::var_os("FSDP_SYNC_COLLECTIVES").is_some_and(|v| v == "1"));
+        let mut all = vec![0u8; size];
+        comm.all_gather_into(&[mine][..], &mut all[..]);
+        let sync = all.contains(&1);
         Ok(Self {
             _universe: universe,
             comm,
@@ -53,7 +59,7 @@ impl World {
             traffic: Default::default(),
             scratch: Default::default(),
             rank_sum: Cell::new(sum_pairwise),
-            sync: std::env::var_os("FSDP_SYNC_COLLECTIVES").is_some_and(|v| v == "1"),
+            sync,
         })
     }
 

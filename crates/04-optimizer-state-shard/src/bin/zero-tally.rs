@@ -26,12 +26,13 @@ struct Args {
     /// Memory per device, in GB, for the "fits?" column.
     #[arg(long, default_value_t = 80.0)]
     device_gb: f64,
-    /// Hybrid sharding (PyTorch's HSDP, DeepSpeed's hpZ/MiCS): shard within
+    /// Hybrid sharding (PyTorch's HSDP, DeepSpeed's MiCS): shard within
     /// groups of S ranks (e.g. one node), replicate across the N/S groups.
     #[arg(long, value_name = "S", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     hsdp: Option<u64>,
     /// Keep the optimizer state (the K bytes: fp32 master, m, v) in host
-    /// memory, as ZeRO-Offload and FSDP's CPU offload do; the update runs there.
+    /// memory and run the update there; the device keeps the rest (ZeRO-Offload
+    /// and FSDP2's CPU offload move gradients, FSDP2 also parameters, too).
     #[arg(long)]
     offload: bool,
 }
@@ -123,7 +124,7 @@ fn tally(a: &Args) {
     );
     if a.offload {
         println!(
-            "--offload: the formulas are the device's; the K bytes per parameter (K·Ψ, or K·Ψ/N once sharded) live in host memory, and each step sends the gradient shard to the host and the updated weights back."
+            "--offload: the formulas are the device's, with only the K bytes per parameter moved to host memory (K·Ψ, or K·Ψ/N once sharded; /S under --hsdp): each step sends the gradient shard to the host and the updated weights back. ZeRO-Offload keeps the gradients there too, FSDP2's CPUOffloadPolicy the sharded parameters as well."
         );
     }
 }
@@ -144,19 +145,26 @@ fn hsdp(a: &Args, s: u64) {
         true => ["2Ψ + 2Ψ", "2Ψ + 2·Ψ/S", "(2 + 2)·Ψ/S"],
     };
     println!("{}", rows(a, s, &names, &formulas).render());
-    // ZeRO-3 each step: two all-gathers of the weights, one reduce-scatter of
-    // the gradient, each moving (G−1)/G of Ψ over a group of G; HSDP adds an
-    // all-reduce of the Ψ/S gradient shard among the R replicas.
-    let mut t =
-        Table::new(["ZeRO-3, elements sent / device / step", "collectives within a group", "spanning groups", "total"]);
-    let full = 3.0 * (n - 1.0) / n;
-    let (inner, outer) = (3.0 * (sf - 1.0) / sf, 2.0 * (r - 1.0) / r / sf);
+    // ZeRO-3 each step: two all-gathers of the weights and one reduce-scatter
+    // of the gradient, each moving (G−1)/G of Ψ per device over a group of G;
+    // HSDP adds an all-reduce of each device's Ψ/S gradient shard among the R
+    // replicas. Across one group's boundary, at least: full sharding must
+    // bring in (or send out) the (R−1)/R of Ψ the group does not hold, three
+    // times; HSDP's all-reduce moves 2·(R−1)/R of the group's Ψ.
+    let mut t = Table::new([
+        "ZeRO-3, elements / step",
+        "sent per device",
+        "of which in collectives spanning groups",
+        "crossing one group's boundary (at least)",
+    ]);
     let cell = |x: f64| format!("{x:.3} Ψ");
-    t.row(["sharded over all N".to_string(), "—".to_string(), cell(full), cell(full)]);
-    t.row([format!("HSDP, S = {s}"), cell(inner), cell(outer), cell(inner + outer)]);
+    let full = 3.0 * (n - 1.0) / n;
+    t.row(["sharded over all N".to_string(), cell(full), cell(full), cell(3.0 * (r - 1.0) / r)]);
+    let (inner, outer) = (3.0 * (sf - 1.0) / sf, 2.0 * (r - 1.0) / r / sf);
+    t.row([format!("HSDP, S = {s}"), cell(inner + outer), cell(outer), cell(2.0 * (r - 1.0) / r)]);
     println!("{}", t.render());
     println!(
-        "Full sharding's gathers and reduce-scatter span all N ranks, so they run over the slow links between groups; HSDP keeps them inside a group and sends across groups only an all-reduce of its Ψ/S gradient shard. The price is memory: each device holds 1/S of the sharded states instead of 1/N, N/S = {} times as much.",
+        "Across group boundaries HSDP moves two thirds of full sharding's bytes: one all-reduce of the gradient instead of two gathers and a reduce-scatter. What it wins more is where: every unit's all-gather, on the critical path of forward and backward, stays on a group's fast links, and its latency grows with S, not N. The price is memory: each device holds 1/S of the sharded states instead of 1/N, N/S = {} times as much.",
         a.ranks / s
     );
 }

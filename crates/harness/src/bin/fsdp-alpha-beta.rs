@@ -37,8 +37,8 @@ struct Args {
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
     /// Timed repetitions per message size (after 5 untimed).
-    #[arg(long, default_value_t = 41)]
-    reps: usize,
+    #[arg(long, default_value_t = 41, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    reps: u32,
     /// This machine's single-thread matmul rate in FLOP/s (`fsdp-bench
     /// --matmul-only`), for the size of unit that hides its gather.
     #[arg(long, value_name = "FLOPS")]
@@ -61,13 +61,30 @@ fn main() -> std::process::ExitCode {
         }
         let n = world.size();
         anyhow::ensure!(n > 1, "the α–β sweep needs messages between ranks: run it under mpirun with 2 or more ranks");
+        // The reports first: a wrong one is refused before the sweep's seconds are spent.
+        let mut reports = vec![];
+        for path in &a.reports {
+            let r: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
+            )
+            .with_context(|| format!("{} is not a report.json", path.display()))?;
+            anyhow::ensure!(
+                r["world_size"].as_u64() == Some(n as u64),
+                "{} ran at {} ranks, the sweep at {n}: run both at one world size",
+                path.display(),
+                r["world_size"]
+            );
+            let name: String =
+                path.parent().and_then(|p| p.file_name()).map_or("?".into(), |s| s.to_string_lossy().into());
+            reports.push((name, r));
+        }
         // 1. The sweep: each size's median over the reps, the slowest rank's.
         let mut measured = vec![];
         for &len in &SIZES {
             let mine = vec![1.0f32; len];
             let mut all = vec![0.0f32; len * n];
             let mut times = vec![];
-            for rep in 0..a.reps + 5 {
+            for rep in 0..a.reps as usize + 5 {
                 world.gather_control(&[0u8]); // everyone starts together
                 let t0 = Instant::now();
                 world.all_gather(&mine, &mut all);
@@ -102,10 +119,10 @@ fn main() -> std::process::ExitCode {
                 format!("{:.2}", p / m),
             ]);
         }
-        say!("{}\n", t.render());
+        say!("{}", t.render());
 
         // 2. The lessons: calls and bytes per step, predicted against measured.
-        if !a.reports.is_empty() {
+        if !reports.is_empty() {
             say!(
                 "Each lesson's time in collectives per step: the model from its calls and bytes, beside what the run measured inside them and, apart, in the barrier before each (run with FSDP_SYNC_COLLECTIVES=1: waiting for the slower rank):\n"
             );
@@ -118,20 +135,10 @@ fn main() -> std::process::ExitCode {
                 "measured (ms)",
                 "waiting before (ms)",
             ]);
-            for path in &a.reports {
-                let r: serde_json::Value = serde_json::from_str(
-                    &std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
-                )
-                .with_context(|| format!("{} is not a report.json", path.display()))?;
-                anyhow::ensure!(
-                    r["world_size"].as_u64() == Some(n as u64),
-                    "{} ran at {} ranks, the sweep at {n}: run both at one world size",
-                    path.display(),
-                    r["world_size"]
-                );
-                let steps = r["steps"].as_f64().context("steps")?;
-                let name: String =
-                    path.parent().and_then(|p| p.file_name()).map_or("?".into(), |s| s.to_string_lossy().into());
+            for (name, r) in &reports {
+                // This run's steps (a resumed run's traffic covers only those).
+                let steps = r["losses"].as_array().map_or(0, Vec::len) as f64;
+                anyhow::ensure!(steps > 0.0, "{name}: its report has no steps");
                 let traffic = r["traffic"].as_object().context("traffic")?;
                 for (kind, s) in traffic {
                     let calls = s["calls"].as_f64().unwrap_or(0.0) / steps;
@@ -145,7 +152,7 @@ fn main() -> std::process::ExitCode {
                     let took = s["seconds"].as_f64().unwrap_or(0.0) / steps;
                     let waited = s["waited_seconds"].as_f64().unwrap_or(0.0) / steps;
                     t.row([
-                        name.clone(),
+                        name.to_string(),
                         kind.clone(),
                         format!("{calls:.1}"),
                         thousands(sent as u64),
@@ -157,7 +164,7 @@ fn main() -> std::process::ExitCode {
             }
             say!("{}", t.render());
             say!(
-                "Under --prefetch the all-gathers are non-blocking: their measured time is only the exposed wait after the overlapped compute, and they get no barrier.\n"
+                "Times are rank 0's. Under --prefetch the overlapped all-gathers are non-blocking, with no barrier before them: their measured time is the exposed wait after the overlapped compute, waiting for the other rank included.\n"
             );
         }
 
