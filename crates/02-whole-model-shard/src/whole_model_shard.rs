@@ -68,8 +68,8 @@ impl WholeModelShard {
         };
         let master = padded(start.weights(mine)?);
         // nanoGPT's decay rule on my window of the flat vector (pieces of several tensors)
-        let window = layout.shard(rank).offset..layout.shard(rank).offset + layout.shard_len;
-        let mut opt = AdamW::new(s.adamw, layout.shard_len).with_no_decay(s.table.no_decay_in(window));
+        let mut opt =
+            AdamW::new(s.adamw, layout.shard_len).with_no_decay(s.table.no_decay_in(layout.shard(rank).range()));
         if let Some(r) = start.moments(mine)? {
             (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
         }

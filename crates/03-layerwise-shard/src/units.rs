@@ -110,7 +110,7 @@ impl FsdpUnit {
         let master = padded(start.weights(&mine)?);
         let blocks = params.len() / PARAMS_PER_BLOCK;
         // nanoGPT's decay rule on my window of the unit's flat vector
-        let window = layout.shard(world.rank()).offset..layout.shard(world.rank()).offset + layout.shard_len;
+        let window = layout.shard(world.rank()).range();
         let no_decay = fsdp_gpt::params::no_decay(table, params.iter().copied().zip(ranges.iter().cloned()), window);
         let (grad, mut opt) =
             (vec![0.0; layout.shard_len], AdamW::new(adamw, layout.shard_len).with_no_decay(no_decay));

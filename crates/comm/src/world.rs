@@ -66,8 +66,8 @@ impl World {
     /// Replaces how the ordered reduce-scatter adds what the all-to-all
     /// delivered: `f(parts)` must leave in `parts[0]` the sum of the parts,
     /// which arrive in global order (rank 0's first). The default is
-    /// [`sum_pairwise`], the tree every lesson's bits rely on; lesson 01
-    /// passes its own (its exercise 1.1).
+    /// [`sum_pairwise`], the tree every lesson's bits rely on; a lesson may
+    /// pass its own (a learner's, in an exercise).
     pub fn set_rank_sum(&self, f: fn(&mut [&mut [f32]])) {
         self.rank_sum.set(f);
     }

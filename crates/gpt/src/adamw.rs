@@ -46,14 +46,15 @@ pub struct AdamW {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     pub t: u32,
-    /// The elements that do not decay (1-D tensors' pieces), sorted, disjoint.
-    pub no_decay: Vec<Range<usize>>,
+    /// The elements in order, as runs that decay (`true`) or not (1-D
+    /// tensors' pieces): fixed by the layout, so formed once, not per step.
+    runs: Vec<(Range<usize>, bool)>,
 }
 
 impl AdamW {
     /// State for `len` elements, all zero (torch's lazy init).
     pub fn new(cfg: AdamWConfig, len: usize) -> Self {
-        Self { cfg, m: vec![0.0; len], v: vec![0.0; len], t: 0, no_decay: vec![] }
+        Self { cfg, m: vec![0.0; len], v: vec![0.0; len], t: 0, runs: vec![(0..len, true)] }
     }
 
     /// The same, with the elements in `no_decay` left undecayed.
@@ -61,7 +62,13 @@ impl AdamW {
         let (sorted, inside) =
             (no_decay.windows(2).all(|w| w[0].end <= w[1].start), no_decay.iter().all(|r| r.end <= self.m.len()));
         assert!(sorted && inside, "no_decay ranges must be sorted, disjoint and inside the {} elements", self.m.len());
-        self.no_decay = no_decay;
+        let mut at = 0;
+        self.runs.clear();
+        for r in no_decay {
+            self.runs.extend([(at..r.start, true), (r.clone(), false)]);
+            at = r.end;
+        }
+        self.runs.push((at..self.m.len(), true));
         self
     }
 
@@ -78,16 +85,9 @@ impl AdamW {
         let step_size = c.lr / bias1;
         let bias2_sqrt = bias2.sqrt();
         let w = 1.0 - c.beta1;
-        // Runs of elements that decay and runs that do not, in order.
-        let mut runs = Vec::with_capacity(2 * self.no_decay.len() + 1);
-        let mut at = 0;
-        for r in &self.no_decay {
-            runs.push((at..r.start, decay));
-            runs.push((r.clone(), 1.0)); // × 1.0: exact, as if skipped
-            at = r.end;
-        }
-        runs.push((at..params.len(), decay));
-        for (r, decay) in runs {
+        for (r, decays) in &self.runs {
+            let decay = if *decays { decay } else { 1.0 }; // × 1.0: exact, as if skipped
+            let r = r.clone();
             let it =
                 params[r.clone()].iter_mut().zip(&grads[r.clone()]).zip(&mut self.m[r.clone()]).zip(&mut self.v[r]);
             for (((p, &g), m), v) in it {

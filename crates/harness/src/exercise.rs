@@ -51,10 +51,18 @@ pub fn needs(lesson: u8, k: u8, runs: bool, when: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What a stub's `todo!("exercise N.K: …")` panics with.
+const STUB: &str = "not yet implemented: exercise ";
+
+/// Whether a panic's message is an exercise stub's.
+pub fn is_stub(panic: &str) -> bool {
+    panic.starts_with(STUB)
+}
+
 /// The line rank 0 prints when a run reaches an exercise's stub, from the
 /// panic message of its `todo!("exercise N.K: …")`; `None` for any other panic.
 pub fn stub_message(panic: &str, lesson_dir: &str) -> Option<String> {
-    let rest = panic.strip_prefix("not yet implemented: exercise ")?;
+    let rest = panic.strip_prefix(STUB)?;
     let id: String = rest.chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
     let k = id.split('.').nth(1).unwrap_or("K");
     Some(format!(

@@ -251,7 +251,7 @@ impl<'w> Session<'w> {
     /// C / (‖g‖ + 1e-6)) as torch's `clip_grad_norm_`, for the gradient's
     /// global norm `norm` (recorded for the log line and the report). A
     /// lesson whose ranks hold shards forms ‖g‖ from every rank's exact sum
-    /// of squares (lesson 03's exercise 3.2): one 56-byte message per rank,
+    /// of squares (`World::exact_sum`): one 56-byte message per rank,
     /// the only step of the update that is not elementwise. Exact sums need
     /// no agreed order: every lesson, at every world size, gets the same ‖g‖
     /// and the same factor. `None` without the flag.

@@ -86,14 +86,9 @@ fn rows(a: &Args, shard_ranks: u64, names: &[(u8, String)], formulas: &[&str]) -
     let mut t = Table::new(head);
     for ((stage, name), f) in names.iter().zip(formulas) {
         let all = model_state_bytes(a.params, shard_ranks, *stage, a.k);
-        // Offload: the K bytes leave the device (sharded from stage 1 on).
-        let host = if a.offload {
-            model_state_bytes(a.params, shard_ranks, *stage, a.k)
-                - model_state_bytes(a.params, shard_ranks, *stage, 0.0)
-        } else {
-            0.0
-        };
-        let device = all - host;
+        // Offload: the K bytes leave the device (sharded from stage 1 on): it keeps the states with K = 0.
+        let device = if a.offload { model_state_bytes(a.params, shard_ranks, *stage, 0.0) } else { all };
+        let host = all - device;
         let mut row =
             vec![name.clone(), f.to_string(), format!("{:.3}", device / a.params), format!("{:.2}", device / 1e9)];
         if a.offload {

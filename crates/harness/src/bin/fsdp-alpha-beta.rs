@@ -48,6 +48,45 @@ struct Args {
 /// Shard sizes swept, in f32 elements: 4 B to 4 MiB per rank.
 const SIZES: [usize; 8] = [1, 16, 256, 1024, 4096, 65_536, 262_144, 1_048_576];
 
+/// On paper: NVIDIA's H100 datasheet, dense bf16 (not measured here).
+const H100_BF16_FLOPS: f64 = 989e12;
+/// On paper: ranks sharing a unit (one 8-GPU node).
+const PAPER_RANKS: u32 = 8;
+/// On paper: (link, GB/s per direction from its datasheet, α in µs assumed).
+const LINKS: [(&str, f64, f64); 2] =
+    [("NVLink 4 (900 GB/s both ways)", 450.0, 5.0), ("InfiniBand NDR (400 Gb/s)", 50.0, 5.0)];
+
+/// When `--prefetch` can hide a unit's all-gather behind the previous unit's
+/// forward: the forward costs 2 FLOPs per parameter per token, the gather of P
+/// parameters of `bytes` bytes (N − 1)α + (N − 1)/N · P·bytes·β.
+struct Hiding {
+    alpha: f64,
+    beta: f64,
+    /// FLOP/s.
+    rate: f64,
+    bytes: f64,
+    ranks: f64,
+}
+
+impl Hiding {
+    /// Tokens per rank per step below which the gather's bandwidth term alone
+    /// outlasts any unit's forward: rate · (N − 1)/N · bytes · β / 2.
+    fn floor(&self) -> f64 {
+        self.rate * (self.ranks - 1.0) / self.ranks * self.bytes * self.beta / 2.0
+    }
+
+    /// The fewest parameters a unit needs for 2·P·tokens/rate ≥ the gather,
+    /// as a table cell: P ≥ (N − 1)α / (2·tokens/rate − (N − 1)/N · bytes·β).
+    fn smallest_unit_cell(&self, tokens: f64) -> String {
+        let n = self.ranks;
+        let per_param = 2.0 * tokens / self.rate - (n - 1.0) / n * self.bytes * self.beta;
+        match per_param > 0.0 {
+            true => thousands(((n - 1.0) * self.alpha / per_param) as u64),
+            false => "never: bandwidth-bound".into(),
+        }
+    }
+}
+
 fn main() -> std::process::ExitCode {
     fsdp_harness::main(TOOL, |world, lesson| {
         let a: Args = fsdp_harness::parse_args(lesson)?;
@@ -169,27 +208,22 @@ fn main() -> std::process::ExitCode {
         }
 
         // 3. When does --prefetch hide a unit's all-gather behind the previous unit's forward?
-        // Forward costs 2 FLOPs per parameter per token; the gather (N − 1)α + (N − 1)/N · P·e·β.
-        // Hidden when 2·P·tokens/rate ≥ that: P ≥ (N − 1)α / (2·tokens/rate − (N − 1)/N · e·β).
-        let hides = |alpha: f64, beta: f64, rate: f64, tokens: f64, e: f64, n: f64| -> Option<f64> {
-            let per_param = 2.0 * tokens / rate - (n - 1.0) / n * e * beta;
-            (per_param > 0.0).then(|| (n - 1.0) * alpha / per_param)
-        };
         if let Some(gflops) = a.matmul_flops.map(|f| f / 1e9) {
             say!(
                 "--prefetch hides a unit's fp32 all-gather behind the previous unit's forward (2 FLOPs per parameter per token, at this machine's matmul rate, {gflops:.1} GFLOP/s, an upper bound on the model's) when the unit holds at least:\n"
             );
             let mut t = Table::new(["tokens per rank per step", "parameters per unit"]);
+            let here = Hiding { alpha, beta, rate: gflops * 1e9, bytes: 4.0, ranks: n as f64 };
             for tokens in [64.0, 256.0, 1024.0, 4096.0] {
-                let p = hides(alpha, beta, gflops * 1e9, tokens, 4.0, n as f64);
-                t.row([thousands(tokens as u64), p.map_or("never: bandwidth-bound".into(), |p| thousands(p as u64))]);
+                t.row([thousands(tokens as u64), here.smallest_unit_cell(tokens)]);
             }
-            let floor = gflops * 1e9 * (n as f64 - 1.0) / n as f64 * 4.0 * beta / 2.0;
+            let floor = here.floor();
             say!("{}", t.render());
             say!("Bandwidth-bound (no unit hides its gather) below {floor:.1} tokens per rank per step here.\n");
         }
         say!(
-            "On paper — datasheet figures, not measured here, and α assumed — the same bound for bf16 units (2 bytes) on NVIDIA H100s (989 TFLOP/s dense bf16), 8 ranks:\n"
+            "On paper — datasheet figures, not measured here, and α assumed — the same bound for bf16 units (2 bytes) on NVIDIA H100s ({:.0} TFLOP/s dense bf16), {PAPER_RANKS} ranks:\n",
+            H100_BF16_FLOPS / 1e12
         );
         let mut t = Table::new([
             "link",
@@ -198,26 +232,32 @@ fn main() -> std::process::ExitCode {
             "tokens per rank per step",
             "parameters per unit",
         ]);
-        for (link, gbs, us) in [("NVLink 4 (900 GB/s both ways)", 450.0, 5.0), ("InfiniBand NDR (400 Gb/s)", 50.0, 5.0)]
-        {
+        let on_paper = |gbs: f64, us: f64| Hiding {
+            alpha: us * 1e-6,
+            beta: 1e-9 / gbs,
+            rate: H100_BF16_FLOPS,
+            bytes: 2.0,
+            ranks: PAPER_RANKS as f64,
+        };
+        for (link, gbs, us) in LINKS {
             for tokens in [1024.0, 4096.0, 16_384.0] {
-                let p = hides(us * 1e-6, 1e-9 / gbs, 989e12, tokens, 2.0, 8.0);
                 t.row([
                     link.to_string(),
                     format!("{gbs:.0}"),
                     format!("{us:.0}"),
                     thousands(tokens as u64),
-                    p.map_or("never: bandwidth-bound".into(), |p| thousands(p as u64)),
+                    on_paper(gbs, us).smallest_unit_cell(tokens),
                 ]);
             }
         }
         say!("{}", t.render());
-        // Below rate · (N − 1)/N · e / (2 · bandwidth) tokens the gather outlasts any unit's forward.
-        let floor = |gbs: f64| 989e12 * (7.0 / 8.0) * 2.0 / (2.0 * gbs * 1e9);
+        let [(_, nvlink, us), (_, ib, _)] = LINKS;
         say!(
-            "Bandwidth-bound (no unit hides its gather) below {} tokens per rank per step on NVLink, {} on InfiniBand: 989e12 · (7/8) · 2 bytes / (2 · bytes/s).",
-            thousands(floor(450.0) as u64),
-            thousands(floor(50.0) as u64)
+            "Bandwidth-bound (no unit hides its gather) below {} tokens per rank per step on NVLink, {} on InfiniBand: {}e12 · ({}/{PAPER_RANKS}) · 2 bytes / (2 · bytes/s).",
+            thousands(on_paper(nvlink, us).floor() as u64),
+            thousands(on_paper(ib, us).floor() as u64),
+            H100_BF16_FLOPS / 1e12,
+            PAPER_RANKS - 1
         );
         if world.is_root() {
             print!("{text}");
