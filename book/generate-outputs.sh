@@ -32,10 +32,10 @@ run 02-four-ranks 4 step02-whole-model-shard
 cp out/book/02-two-ranks/shard_vs_replicated.svg "$gen/02-shard-vs-replicated.svg"
 # Activations kept or recomputed: the tally's peak, the measured one, the bits.
 {
-    for flag in "" --recompute; do
+    for flag in "" --selective-recompute --recompute; do
         echo "· just step 02 2 --no-check $flag"
         mpirun -q --oversubscribe -n 2 target/release/step02-whole-model-shard --no-check --no-plot $flag --out out/book/02-recompute \
-            | grep -E "^│ (peak |kept from|at the peak|activations|backward:|peak live heap while training|measured peak heap)|final weights digest" | sed 's/^/    /'
+            | grep -E "^│ (peak |kept from|at the peak|activations|attention probabilities|backward:|peak live heap while training|measured peak heap)|final weights digest" | sed 's/^/    /'
     done
 } > "$gen/02-recompute.txt"
 echo "· 02-recompute"
@@ -43,22 +43,34 @@ echo "· 02-recompute"
 # alternated, three pairs, on this machine now; each run's median step.
 python3 - "$gen/02-recompute-time.txt" <<'PY'
 import json, statistics, subprocess, sys
-runs = {"kept": [], "recomputed": []}
+runs = {"kept": [], "selective": [], "recomputed": []}
 for _ in range(3):
-    for name, flag in (("kept", []), ("recomputed", ["--recompute"])):
+    for name, flag in (("kept", []), ("selective", ["--selective-recompute"]), ("recomputed", ["--recompute"])):
         out = f"out/book/02-recompute-time-{name}"
         subprocess.run(["mpirun", "-q", "--oversubscribe", "-n", "2", "target/release/step02-whole-model-shard", "--no-check", "--no-plot",
                         "--steps", "20", "--out", out, *flag], check=True, stdout=subprocess.DEVNULL)
         runs[name].append(json.load(open(f"{out}/report.json"))["median_step_seconds"] * 1e3)
-kept, rec = (statistics.median(runs[k]) for k in ("kept", "recomputed"))
+kept, sel, rec = (statistics.median(runs[k]) for k in ("kept", "selective", "recomputed"))
 with open(sys.argv[1], "w") as f:
-    f.write("timing: lesson 02, tiny preset, 2 ranks, 20 steps; 3 pairs run alternately; each run's median step\n")
-    for name in ("kept", "recomputed"):
+    f.write("timing: lesson 02, tiny preset, 2 ranks, 20 steps; 3 triples run alternately; each run's median step\n")
+    for name in ("kept", "selective", "recomputed"):
         each = ", ".join(f"{x:.2f} ms" for x in runs[name])
         f.write(f"timing: activations {name:<10} median {statistics.median(runs[name]):.2f} ms  (runs: {each})\n")
-    f.write(f"timing: --recompute takes {rec / kept:.2f} times as long per step; one more forward of every block predicts at most 1.33\n")
+    f.write(f"timing: --recompute takes {rec / kept:.2f} times as long per step; one more forward of every block predicts about 1.33\n")
+    f.write(f"timing: --selective-recompute takes {sel / kept:.3f} times as long; its one more q·kᵀ per block is 1.3% of the step's matmul FLOPs, its one more softmax uncounted\n")
 PY
 echo "· 02-recompute-time"
+# Activation memory at GPT-2's shape (T = 1024, where P weighs most): one
+# rank, one 1 × 1024-token micro-batch, one step, each activation policy
+# (the first peaks at 3.8 GB of heap; about 20 s each here).
+{
+    for flag in "" --selective-recompute --recompute; do
+        echo "· just step 01 1 --preset gpt2 --batch-size 1 --micro-batches 1 --steps 1 $flag"
+        mpirun -q -n 1 target/release/step01-data-parallel --preset gpt2 --batch-size 1 --micro-batches 1 --steps 1 $flag --out out/book/01-activations-gpt2 \
+            | grep -E "^│ (peak  |at the peak|activations|attention probabilities|backward:|peak live heap while training|measured peak heap)|final weights digest" | sed 's/^/    /'
+    done
+} > "$gen/03-activations-gpt2.txt"
+echo "· 03-activations-gpt2"
 run 03-two-ranks 2 step03-layerwise-shard
 cp out/book/03-two-ranks/memory_timeline.svg "$gen/03-memory-timeline.svg"
 # A shape where the weights, not the activations, fill memory: the small
@@ -69,7 +81,7 @@ cp out/book/03-small-params/memory_timeline.svg "$gen/03-memory-timeline-small.s
 {
     for ranks in 2 4; do
         for flag in "" --prefetch; do
-            echo "· just step 03 $ranks --steps 20 $flag"
+            echo "· just step 03 $ranks --steps 20 --log-every 100 --no-plot $flag"
             mpirun -q --oversubscribe -n "$ranks" target/release/step03-layerwise-shard --steps 20 --log-every 100 --no-plot $flag --out "out/book/03-prefetch" \
                 | grep -E "^measured" | sed 's/^/    /'
         done

@@ -791,8 +791,8 @@ fn resuming_an_older_checkpoint_into_its_folder_abandons_the_later_ones() {
 
 #[test]
 fn a_budget_that_fits_training_also_fits_a_resumed_run() {
-    // ZeRO-3 under a budget 5% above its own measured peak: the checkpoint's
-    // full state, read on every rank before the shards are cut, does not count.
+    // ZeRO-3 under a budget 5% above its own measured peak: a resume reads
+    // only each rank's shard of the checkpoint, so it fits the same budget.
     let full = train("step04-optimizer-state-shard", 2, "4", &[], "budget-full");
     let peak =
         report(&full)["measured_peak_bytes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).max().unwrap();

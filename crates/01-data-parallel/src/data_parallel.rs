@@ -66,13 +66,22 @@ impl DataParallel {
         }
         Ok(Self {
             params,
-            grads: s.grad_sum(layout.padded),
+            grads: s.grad_sum(layout.padded).preallocated(),
             grad_shard: vec![0.0; layout.shard_len],
             opt,
             reduce,
             precision,
             recompute,
         })
+    }
+
+    /// Allocates now the ordered all-reduce's receive buffer, which the
+    /// tally counts as kept (not under `--accumulate`, which adds the group
+    /// sums itself).
+    pub fn reserve_buffers(&self, s: &Session) {
+        if self.reduce == Reduce::Ordered {
+            s.reserve_receive_buffer(self.grad_shard.len() * s.world.size());
+        }
     }
 
     // ANCHOR: step
@@ -149,7 +158,7 @@ impl DataParallel {
     /// model's compute copy and graph.
     pub fn tally(&self, s: &Session, simulated_ranks: Option<usize>) -> MemoryTally {
         let numel = s.table.numel();
-        let (n, padded) = (s.world.size(), self.grad_shard.len() * s.world.size());
+        let padded = self.grad_shard.len() * s.world.size();
         let groups = s.sum_groups.per_rank();
         let mut t = MemoryTally::new();
         t.add("params (fp32)", numel, 4, "full copy on every rank")
@@ -157,7 +166,8 @@ impl DataParallel {
             .add("AdamW v", numel, 4, "full")
             .add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, &sums_note(s.sum_groups.buffers()))
             .add("grad shard", self.grad_shard.len(), 4, "my 1/N inside the ordered all-reduce");
-        if n > 1 && self.reduce == Reduce::Ordered {
+        let simulated = simulated_ranks.is_some(); // --accumulate: no all-to-all
+        if s.uses_all_to_all() && self.reduce == Reduce::Ordered && !simulated {
             t.add("all-to-all receive buffer", groups * padded, 4, "the reduce-scatter's input from every rank, kept");
         }
         s.data_tally(&mut t);
@@ -167,7 +177,7 @@ impl DataParallel {
         let mut moments = s.whole_model_moments(e, self.recompute, "a micro-batch", add, &mut |_, m| {
             m.add(&vars_row, numel, e, vars_note);
         });
-        if groups > 1 && n > 1 {
+        if groups > 1 && !simulated {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * padded, 4, "group sums packed per destination");
             moments.push(m);

@@ -115,6 +115,9 @@ fn main() -> ExitCode {
         world.set_rank_sum(data_parallel::sum_received);
 
         let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute)?;
+        if accumulate.is_none() {
+            dp.reserve_buffers(&s);
+        }
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let mut checks = 0;
         for step in s.steps() {

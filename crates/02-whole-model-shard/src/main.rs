@@ -27,8 +27,9 @@ const LESSON: Lesson = Lesson {
 struct Args {
     #[command(flatten)]
     train: TrainArgs,
-    /// Skip the replicated reference (by default it runs beside the shards
-    /// and the max |sharded − replicated| is printed every step).
+    /// Skip the replicated reference (by default it runs beside the shards,
+    /// max |sharded − replicated| is computed every step and printed with
+    /// each loss line).
     #[arg(long)]
     no_check: bool,
     /// Skip the two-panel figure (by default written to <out>/shard_vs_replicated.svg).

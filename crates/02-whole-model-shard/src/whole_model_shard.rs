@@ -86,12 +86,13 @@ impl WholeModelShard {
                 Some(Reference { params: start.weights(all)?, opt })
             }
         };
+        s.reserve_receive_buffer(layout.padded);
         Ok(Self {
             layout,
             master,
             opt,
             gathered: vec![0.0; layout.padded],
-            grads: s.grad_sum(layout.padded),
+            grads: s.grad_sum(layout.padded).preallocated(),
             grad_shard: vec![0.0; layout.shard_len],
             reference,
             recompute,
@@ -181,7 +182,7 @@ impl WholeModelShard {
             .add("gathered full params", l.padded, 4, "all-gather output, full copy, kept")
             .add("grad sums (fp32)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced")
             .add("grad shard", l.shard_len, 4, "my 1/N inside the ordered all-reduce");
-        if n > 1 {
+        if s.uses_all_to_all() {
             t.add(
                 "all-to-all receive buffer",
                 groups * l.padded,
@@ -195,7 +196,7 @@ impl WholeModelShard {
         let mut moments = s.whole_model_moments(4, self.recompute, "a micro-batch", add, &mut |_, m| {
             m.add("params as candle Vars", numel, 4, vars_note);
         });
-        if groups > 1 && n > 1 {
+        if groups > 1 {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * l.padded, 4, "group sums packed per destination");
             moments.push(m);

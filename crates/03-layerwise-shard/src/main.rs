@@ -30,9 +30,9 @@ struct Args {
     /// Start the next unit's all-gather (non-blocking) while computing this one.
     #[arg(long)]
     prefetch: bool,
-    /// Transformer blocks per FSDP unit (the wrapping policy): more blocks,
+    /// Transformer blocks per FSDP unit (in PyTorch, the modules fully_shard wraps): more blocks,
     /// fewer and larger gathers, a higher unsharded peak.
-    #[arg(long, default_value_t = 1, value_name = "G")]
+    #[arg(long, default_value_t = 1, value_name = "K")]
     blocks_per_unit: usize,
     /// Where the tied wte's lm_head gradient waits for its embedding part:
     /// keep it, (V, C) per micro-batch, or recompute the head at the end
@@ -87,6 +87,7 @@ fn main() -> ExitCode {
             ),
         ]);
 
+        s.reserve_receive_buffer(units.iter().map(|u| u.layout().padded).max().unwrap_or(0));
         let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch, head_grad };
         let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes

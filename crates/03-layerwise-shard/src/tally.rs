@@ -28,7 +28,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         .add("AdamW m shards", shard, 4, &share)
         .add("AdamW v shards", shard, 4, &share)
         .add("grad shards (fp32)", shard, 4, "reduce-scattered, 1/N of every unit");
-    if n > 1 {
+    if s.uses_all_to_all() {
         let most = units.iter().map(|u| u.layout().padded).max().unwrap_or(0) * s.sum_groups.per_rank();
         k.add("all-to-all receive buffer", most, 4, "the reduce-scatter's input from every rank, largest unit, kept");
     }
@@ -87,6 +87,20 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             4,
             "over my micro-batches so far, then reduce-scattered",
         );
+    };
+    // A unit's reduce-scatter with several sums per rank (--sum-groups):
+    // they are packed per destination first, beside the sums themselves.
+    let send_moment = |u: &FsdpUnit, saved: usize, done: usize| {
+        let groups = s.sum_groups.per_rank();
+        (groups > 1).then(|| {
+            let mut m = Moment::new(format!("reduce-scatter of {}", u.name()));
+            m.add(&format!("saved unit inputs ({dt})"), saved, e, "(B, T, C) per unit and micro-batch");
+            carried(&mut m, done);
+            sums(&mut m, u, done);
+            m.add("send buffer", groups * u.layout().padded, 4, "its group sums packed per destination");
+            ids(&mut m);
+            m
+        })
     };
     let largest_tensor = |u: &FsdpUnit| u.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
     // The unit whose entry follows block unit u's backward: the one below,
@@ -157,6 +171,9 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             widen_row(&mut m, e, largest_tensor(unit));
             prefetched(&mut m, next_after(u));
             moments.push(m);
+            if k + 1 == mine {
+                moments.extend(send_moment(unit, (u - 1) * mine * btc, mine)); // its own inputs gone
+            }
         }
         // The head recomputed, when it is: the root gathered again.
         if head == HeadGrad::Recompute {
@@ -190,6 +207,9 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         widen_row(&mut m, e, v * c);
         ids(&mut m);
         moments.push(m);
+        if k + 1 == mine {
+            moments.extend(send_moment(&units[0], 0, mine));
+        }
     }
     k.peak(moments);
     k

@@ -26,8 +26,9 @@ use step03_layerwise_shard::units::FsdpUnit;
 /// (`grads`: parameter-table entry, gradient). Add them to the sum
 /// (`unit.add_grads`). After my *last* micro-batch (`last`), my share of
 /// the unit's gradient is complete: reduce-scatter it (`unit.reduce_scatter`
-/// keeps my shard of the sum over all ranks) and free the sum — the whole
-/// point of stage 2 is that no rank ever holds every unit's full gradient.
+/// keeps my shard of the sum over all ranks) and free the sum — so that in
+/// my last backward no rank holds every unit's full gradient at once (with
+/// several micro-batches of mine, the units' sums live until then).
 pub fn hand_off(
     w: &World,
     unit: &mut FsdpUnit,

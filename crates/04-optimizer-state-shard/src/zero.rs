@@ -133,7 +133,7 @@ fn resident_kept(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
         .add("AdamW v shard", shard, 4, &share)
         .add("grad shard (fp32)", shard, 4, &share)
         .add(&format!("compute copy, resident ({dt})"), padded, e, "whole model, all-gathered after each update");
-    if n > 1 {
+    if s.uses_all_to_all() {
         let most = units.iter().map(|u| u.layout().padded).max().unwrap_or(0) * s.sum_groups.per_rank();
         t.add("all-to-all receive buffer", most, 4, "the reduce-scatter's input from every rank, largest unit, kept");
     }
@@ -200,7 +200,7 @@ pub fn stage2_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
                 let largest = unit.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
                 widen_row(m, e, largest);
                 let groups = s.sum_groups.per_rank();
-                if k + 1 == mine && groups > 1 && s.world.size() > 1 {
+                if k + 1 == mine && groups > 1 {
                     m.add("send buffer", groups * unit.layout().padded, 4, "its group sums packed per destination");
                 }
             }

@@ -202,6 +202,15 @@ impl MicroBatchSum {
         Self { plan, len, nodes, stack: vec![], sums: vec![], spare: vec![], added: 0 }
     }
 
+    /// The same sum with its buffers allocated now: as many as the tree
+    /// ever holds at once ([`SumGroups::buffers`]). A sum kept from step to
+    /// step (lessons 01, 02) then holds from its first step what it holds at
+    /// every step, which is what their tallies count.
+    pub fn preallocated(mut self) -> Self {
+        self.spare = (0..self.plan.buffers()).map(|_| vec![0.0; self.len]).collect();
+        self
+    }
+
     /// Adds the next of my micro-batches (in order): `add` adds its gradient
     /// onto the zeroed buffer it is given.
     pub fn add<R>(&mut self, add: impl FnOnce(&mut [f32]) -> R) -> R {

@@ -177,6 +177,16 @@ impl World {
         self.timed(Collective::ReduceScatter, bytes, bytes, || self.reduce_scatter_untimed(full, mine));
     }
 
+    /// Allocates now the buffer the ordered reduce-scatter receives into,
+    /// `len` elements (it grows to the largest call's and is kept): a lesson
+    /// that counts it among what it keeps makes it exist from its first step.
+    pub fn reserve_receive_buffer(&self, len: usize) {
+        let mut scratch = self.scratch.borrow_mut();
+        if scratch.len() < len {
+            scratch.resize(len, 0.0);
+        }
+    }
+
     // ANCHOR: ordered_reduce_scatter
     fn reduce_scatter_untimed(&self, full: &[f32], mine: &mut [f32]) {
         if self.size == 1 {

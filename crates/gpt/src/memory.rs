@@ -21,6 +21,7 @@
 use std::collections::HashMap;
 
 use crate::config::GptConfig;
+use crate::kernels::Probs;
 use crate::params::{PARAMS_PER_BLOCK, ParamTable};
 
 /// Gradient rules need to know which op made a node.
@@ -46,8 +47,9 @@ enum Op {
     LayerNorm(usize, usize, usize),
     /// [`crate::kernels::linear`]: `(x, w, b)`.
     Linear(usize, usize, usize),
-    /// [`crate::kernels::attention`]: `(qkv, P)`, P the probabilities the op keeps.
-    Attention(usize, usize),
+    /// [`crate::kernels::attention`]: `(qkv, P, nh)`, P the probabilities the
+    /// op keeps, none under [`Probs::Recompute`].
+    Attention(usize, Option<usize>, usize),
     /// [`crate::kernels::gelu`].
     Gelu(usize),
 }
@@ -334,12 +336,12 @@ impl Graph {
         self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::Gelu(a.0))
     }
     /// [`crate::kernels::attention`]: (B, T, 3C) → (B, T, C), keeping the
-    /// probabilities (B, nh, T, T) besides.
-    pub fn attention(&mut self, qkv: T, n_head: usize) -> T {
+    /// probabilities (B, nh, T, T) besides, or not (`policy`).
+    pub fn attention(&mut self, qkv: T, n_head: usize, policy: Probs) -> T {
         let (b, t, c3) = dims3(self.shape(qkv));
         let elem = self.n(qkv).elem;
-        let probs = self.constant(&[b, n_head, t, t], elem);
-        self.alloc(vec![b, t, c3 / 3], elem, Op::Attention(qkv.0, probs.0))
+        let probs = (policy == Probs::Keep).then(|| self.constant(&[b, n_head, t, t], elem).0);
+        self.alloc(vec![b, t, c3 / 3], elem, Op::Attention(qkv.0, probs, n_head))
     }
     /// [`crate::kernels::linear`]: (…, in) → (…, out).
     pub fn linear(&mut self, x: T, w: T, b: T) -> T {
@@ -442,7 +444,8 @@ impl Op {
     fn inputs(self) -> Vec<usize> {
         match self {
             Op::Leaf => vec![],
-            Op::Binary(a, b, _) | Op::MatMul(a, b) | Op::Attention(a, b) => vec![a, b],
+            Op::Binary(a, b, _) | Op::MatMul(a, b) | Op::Attention(a, Some(b), _) => vec![a, b],
+            Op::Attention(a, None, _) => vec![a],
             Op::LayerNorm(x, w, b) | Op::Linear(x, w, b) => vec![x, w, b],
             Op::Unary(a, _)
             | Op::Affine(a)
@@ -725,13 +728,24 @@ impl Backward<'_> {
                     self.drop_(t);
                 }
             }
-            Op::Attention(qkv, probs) => {
+            Op::Attention(qkv, kept, nh) => {
                 // dP (becoming dS), dq, dk, dv computed in f32 (bf16: the
                 // operands widened first), each product with its panels; then dqkv.
                 let (b, t, c3) = dims3(&self.g.nodes[qkv].shape);
-                let (nh, elem) = (self.g.nodes[probs].shape[1], self.g.nodes[qkv].elem);
+                let elem = self.g.nodes[qkv].elem;
                 let (c, hs) = (c3 / 3, c3 / 3 / nh);
                 let (np4, btc4) = (4 * b * nh * t * t, 4 * b * t * c);
+                // Not kept: P first, as the forward made it (bf16: from q and
+                // k widened, S and P in f32, P rounded into bf16), held to the end.
+                let recomputed = if kept.is_none() { np4 / 4 * elem } else { 0 };
+                if kept.is_none() {
+                    let wide_qkv = if elem == 2 { 3 * btc4 } else { 0 };
+                    let s_then_p = np4 + matmul_transient(t, hs, t, 0, 4).max(np4);
+                    // q and k widened while S, then P, are made; then P rounded
+                    // into its own buffer, the widened copy gone.
+                    self.transient((wide_qkv + s_then_p).max(np4 + recomputed));
+                    self.live += recomputed;
+                }
                 let wide = if elem == 2 { 3 * btc4 + np4 + btc4 } else { 0 };
                 let panels = |m: usize, k: usize, n: usize| matmul_transient(m, k, n, 0, 4);
                 let stages = [
@@ -749,7 +763,7 @@ impl Backward<'_> {
                 self.transient(during);
                 self.live += at_out;
                 let out = self.make(self.size(qkv), &[]);
-                self.live -= at_out;
+                self.live -= at_out + recomputed;
                 self.acc(qkv, Src::New(out));
                 self.drop_(out);
             }
@@ -769,12 +783,34 @@ impl Backward<'_> {
     }
 }
 
+// ANCHOR: block_activations
+/// What one block's graph keeps for its backward, in elements of the compute
+/// dtype, from its input (not counted: the block before made it) to its
+/// output: one (B, T, ·) buffer per op, and attention's probabilities.
+///
+/// ```text
+/// ln_1  c_attn  heads  c_proj  x + a  ln_2  c_fc  GELU  c_proj  x + m
+///   C  +  3C  +   C  +   C   +   C  +   C  + 4C  + 4C  +   C   +   C   = 18·C per token
+/// P (B, nh, T, T): nh·T per token, unless recomputed in the backward
+/// ```
+pub fn block_activations(cfg: &GptConfig, (b, t): (usize, usize), probs: Probs) -> usize {
+    let per_token = 18 * cfg.n_embd; // the table above
+    let p = match probs {
+        Probs::Keep => cfg.n_head * t, // one row of P per head
+        Probs::Recompute => 0,
+    };
+    b * t * (per_token + p)
+}
+// ANCHOR_END: block_activations
+
 /// The model's ops on shapes: the same calls as [`crate::model::Gpt`].
 #[derive(Debug, Clone, Copy)]
 pub struct ModelShapes {
     pub cfg: GptConfig,
     /// Bytes per element of the compute copy: 4 (fp32) or 2 (bf16).
     pub elem: usize,
+    /// Whether attention keeps its probabilities ([`crate::model::Gpt::probs`]).
+    pub probs: Probs,
 }
 
 impl ModelShapes {
@@ -814,7 +850,7 @@ impl ModelShapes {
 
     fn attention(&self, g: &mut Graph, p: &[T], x: T) -> T {
         let qkv = self.linear(g, x, p[0], p[1]);
-        let y = g.attention(qkv, self.cfg.n_head);
+        let y = g.attention(qkv, self.cfg.n_head, self.probs);
         self.linear(g, y, p[2], p[3])
     }
 

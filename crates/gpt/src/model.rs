@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::config::GptConfig;
 use crate::error::{GptError, Result};
-use crate::kernels::{self, matmul};
+use crate::kernels::{self, Probs, matmul};
 use crate::params::{PARAMS_PER_BLOCK, ParamTable, Unit};
 
 const LN_EPS: f64 = 1e-5;
@@ -26,11 +26,19 @@ const LN_EPS: f64 = 1e-5;
 #[derive(Debug, Clone)]
 pub struct Gpt {
     pub cfg: GptConfig,
+    /// Whether attention keeps its probabilities for the backward or
+    /// recomputes them there (selective recompute): the same bits either way.
+    pub probs: Probs,
 }
 
 impl Gpt {
     pub fn new(cfg: GptConfig) -> Self {
-        Self { cfg }
+        Self { cfg, probs: Probs::Keep }
+    }
+
+    /// The same model, its attention keeping its probabilities or not.
+    pub fn with_probs(self, probs: Probs) -> Self {
+        Self { probs, ..self }
     }
 
     /// One candle `Var` per parameter tensor, copied from `flat` (the unit's
@@ -118,7 +126,7 @@ impl Gpt {
         let qkv = linear(x, &p[0], &p[1])?; // (B, T, 3C): q, k, v side by side, heads side by side in each
         // Per head: y = softmax(q·kᵀ/√hs + causal mask)·v, the heads merged back into (B, T, C).
         // One fused op (kernels::attention), bit for bit those ops composed.
-        let y = kernels::attention(&qkv, self.cfg.n_head)?;
+        let y = kernels::attention_with(&qkv, self.cfg.n_head, self.probs)?;
         linear(&y, &p[2], &p[3])
     }
 

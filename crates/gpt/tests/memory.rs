@@ -5,7 +5,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use candle_core::{DType, Device, Tensor, Var};
-use fsdp_gpt::memory::{Footprint, ModelShapes};
+use fsdp_gpt::kernels::Probs;
+use fsdp_gpt::memory::{Footprint, ModelShapes, block_activations};
 use fsdp_gpt::model::{Gpt, loss};
 use fsdp_gpt::{GptConfig, ParamTable, Precision};
 
@@ -78,24 +79,29 @@ fn ids(b: usize, t: usize, v: usize) -> Tensor {
     Tensor::from_vec(x, (b, t), &Device::Cpu).unwrap()
 }
 
-fn cases() -> Vec<(&'static str, usize, Precision)> {
-    vec![("tiny", 4, Precision::Fp32), ("tiny", 4, Precision::Bf16), ("small", 2, Precision::Fp32)]
+fn cases() -> Vec<(&'static str, usize, Precision, Probs)> {
+    let mut cases = vec![];
+    for probs in [Probs::Keep, Probs::Recompute] {
+        cases.extend([("tiny", 4, Precision::Fp32, probs), ("tiny", 4, Precision::Bf16, probs)]);
+        cases.push(("small", 2, Precision::Fp32, probs));
+    }
+    cases
 }
 
 #[test]
 fn the_whole_model_pass_holds_what_the_shapes_say() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    for (preset, b, precision) in cases() {
+    for (preset, b, precision, probs) in cases() {
         let cfg = GptConfig::preset(preset, 65).unwrap();
-        let (table, gpt) = (ParamTable::new(&cfg), Gpt::new(cfg));
+        let (table, gpt) = (ParamTable::new(&cfg), Gpt::new(cfg).with_probs(probs));
         let vars = gpt.vars_in(&table, &table.init_flat(1), precision).unwrap();
         let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         // The whole context, and half of it (wpe then enters through a narrow).
         for t in [cfg.block_size, cfg.block_size / 2] {
             let (idx, tgt) = (ids(b, t, 65), ids(b, t, 64));
             let measured = measure(|| loss(&gpt.forward(&table, &ps, &idx).unwrap(), &tgt).unwrap());
-            let model = ModelShapes { cfg, elem: precision.bytes() }.whole_model(&table, (b, t));
-            check(&format!("{preset} {precision} whole model, T = {t}"), measured, model, cfg.n_layer);
+            let model = ModelShapes { cfg, elem: precision.bytes(), probs }.whole_model(&table, (b, t));
+            check(&format!("{preset} {precision} {probs:?} whole model, T = {t}"), measured, model, cfg.n_layer);
             assert_eq!(model.var_grads, table.numel() * precision.bytes());
             // Nothing stays beyond the Vars' gradients: the causal mask, a
             // constant candle would give a (B, nh, T, T) gradient per block,
@@ -108,9 +114,9 @@ fn the_whole_model_pass_holds_what_the_shapes_say() {
 #[test]
 fn a_unit_recomputed_from_its_input_holds_what_the_shapes_say() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    for (preset, b, precision) in cases() {
+    for (preset, b, precision, probs) in cases() {
         let cfg = GptConfig::preset(preset, 65).unwrap();
-        let (gpt, t, dt) = (Gpt::new(cfg), cfg.block_size, precision.dtype());
+        let (gpt, t, dt) = (Gpt::new(cfg).with_probs(probs), cfg.block_size, precision.dtype());
         for blocks in [1, 2] {
             let p: Vec<Var> = (0..blocks)
                 .flat_map(|_| ParamTable::block_shapes(cfg.n_embd))
@@ -126,8 +132,20 @@ fn a_unit_recomputed_from_its_input_holds_what_the_shapes_say() {
                 }
                 (y * &g).unwrap().sum_all().unwrap()
             });
-            let model = ModelShapes { cfg, elem: precision.bytes() }.blocks_recomputed(blocks, (b, t));
-            check(&format!("{preset} {precision} {blocks} block(s)"), measured, model, blocks);
+            let shapes = ModelShapes { cfg, elem: precision.bytes(), probs };
+            let model = shapes.blocks_recomputed(blocks, (b, t));
+            check(&format!("{preset} {precision} {probs:?} {blocks} block(s)"), measured, model, blocks);
+            // What the graph keeps is the formula's, block by block, and the
+            // product out · g (B, T, C) that the backward starts from.
+            let (e, per_block) = (precision.bytes(), block_activations(&cfg, (b, t), probs));
+            assert_eq!(shapes.block_graph(b, t), per_block * e, "{preset} {precision} {probs:?}");
+            let formula = (blocks * per_block + b * t * cfg.n_embd) * e;
+            close(
+                &format!("{preset} {precision} {probs:?}: the formula"),
+                measured.activations,
+                formula,
+                blocks * (24 << 10),
+            );
         }
     }
 }
@@ -135,10 +153,10 @@ fn a_unit_recomputed_from_its_input_holds_what_the_shapes_say() {
 #[test]
 fn the_head_and_the_embedding_backward_hold_what_the_shapes_say() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    for (preset, b, precision) in cases() {
+    for (preset, b, precision, probs) in cases().into_iter().filter(|c| c.3 == Probs::Keep) {
         let cfg = GptConfig::preset(preset, 65).unwrap();
         let (gpt, t, c, dt) = (Gpt::new(cfg), cfg.block_size, cfg.n_embd, precision.dtype());
-        let shapes = ModelShapes { cfg, elem: precision.bytes() };
+        let shapes = ModelShapes { cfg, elem: precision.bytes(), probs };
         let x = Var::from_tensor(&randn(&[b, t, c], dt)).unwrap();
         let (w, bias) = (Var::ones(c, dt, &Device::Cpu).unwrap(), Var::zeros(c, dt, &Device::Cpu).unwrap());
         let wte = Var::from_tensor(&randn(&[65, c], dt)).unwrap();

@@ -35,6 +35,15 @@ pub struct TrainArgs {
     #[arg(long, value_name = "C", value_parser = positive_f32)]
     pub grad_clip: Option<f32>,
 
+    // Shared, where --recompute is each lesson's: it changes only what the
+    // attention op keeps, inside the model every lesson runs, and no bit.
+    /// Selective recompute: attention keeps no probabilities (B, nh, T, T)
+    /// for its backward, which computes them again from q and k. The same
+    /// bits; saves the one activation that grows with T², for one more q·kᵀ
+    /// and softmax per block.
+    #[arg(long)]
+    pub selective_recompute: bool,
+
     /// Sequences per micro-batch (B).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub batch_size: u32,

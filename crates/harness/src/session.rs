@@ -8,7 +8,8 @@ use candle_core::{Tensor, Var};
 use fsdp_comm::{ExactSquares, MicroBatchSum, SumGroups, World};
 use fsdp_gpt::Unit;
 use fsdp_gpt::blockwise::{self, Grads};
-use fsdp_gpt::memory::{Footprint, ModelShapes};
+use fsdp_gpt::kernels::Probs;
+use fsdp_gpt::memory::{Footprint, ModelShapes, block_activations};
 use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
 
 use crate::checkpoint::{Meta, Part, Reader};
@@ -224,6 +225,7 @@ impl<'w> Session<'w> {
             None => (Start { source: Source::Seed { table: table.clone(), seed: args.seed } }, None, vec![], 1),
         };
         crate::exercise::set(lesson.number(), args.mine.clone());
+        let probs = if args.selective_recompute { Probs::Recompute } else { Probs::Keep };
         let s = Self {
             world,
             lesson: *lesson,
@@ -231,7 +233,7 @@ impl<'w> Session<'w> {
             corpus,
             cfg,
             table,
-            model: Gpt::new(cfg),
+            model: Gpt::new(cfg).with_probs(probs),
             sampler,
             adamw,
             out,
@@ -288,6 +290,22 @@ impl<'w> Session<'w> {
         MicroBatchSum::new(self.sum_groups, len)
     }
 
+    /// Whether the ordered reduce-scatter goes through its all-to-all
+    /// buffers: between ranks, or with several sums per rank (`--sum-groups`
+    /// on one rank still packs and sums them the same way).
+    pub fn uses_all_to_all(&self) -> bool {
+        self.world.size() > 1 || self.sum_groups.per_rank() > 1
+    }
+
+    /// The all-to-all receive buffer of the ordered reduce-scatter of
+    /// vectors of `padded` elements, allocated now, as the tallies count it
+    /// (kept, from the first step on), so that step 1 peaks where every step does.
+    pub fn reserve_receive_buffer(&self, padded: usize) {
+        if self.uses_all_to_all() {
+            self.world.reserve_receive_buffer(self.sum_groups.per_rank() * padded);
+        }
+    }
+
     /// The steps left to train: `first_step..=steps`.
     pub fn steps(&self) -> std::ops::RangeInclusive<u64> {
         self.first_step..=self.args.steps
@@ -319,7 +337,7 @@ impl<'w> Session<'w> {
     /// The shapes of this run's model in a compute dtype of `elem` bytes
     /// per element, for [`fsdp_gpt::memory`]'s accounting.
     pub fn shapes(&self, elem: usize) -> ModelShapes {
-        ModelShapes { cfg: self.cfg, elem }
+        ModelShapes { cfg: self.cfg, elem, probs: self.model.probs }
     }
 
     /// One micro-batch's (B, T).
@@ -335,7 +353,20 @@ impl<'w> Session<'w> {
         let (b, t) = self.micro_batch_shape();
         let f = self.shapes(elem).whole_model(&self.table, (b, t));
         m.add("micro-batch token ids", 2 * b * t, 4, "inputs and targets (B, T)");
-        pass_rows(m, &f, "the whole model's graph");
+        // The blocks' part by the formula, the rest (embedding, head, loss) op by op.
+        let (c, nh, layers) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.n_layer);
+        let blocks = layers * block_activations(&self.cfg, (b, t), self.model.probs) * elem;
+        let note = match self.model.probs {
+            Probs::Keep => format!("B·T·(18·C + nh·T) each: {b}·{t}·(18·{c} + {nh}·{t}) × {elem} B"),
+            Probs::Recompute => format!("B·T·18·C each, P recomputed: {b}·{t}·18·{c} × {elem} B"),
+        };
+        m.add(&format!("activations: {layers} blocks"), blocks, 1, &note).add(
+            "activations: embedding, head, loss",
+            f.activations - blocks,
+            1,
+            "the rest of the whole graph, op by op",
+        );
+        backward_rows(m, &f);
     }
 
     /// The moments of one micro-batch of [`fsdp_gpt::blockwise`]: the head,
@@ -668,6 +699,13 @@ impl<'w> Session<'w> {
                 format!("by the global norm to {c} (its sum of squares exact over every shard)"),
             ]);
         }
+        if self.model.probs == Probs::Recompute {
+            let (b, seq) = self.micro_batch_shape();
+            t.row([
+                "attention probabilities".to_string(),
+                format!("not kept, recomputed in backward: {b} × {} × {seq} × {seq} per block (B, nh, T, T)", c.n_head),
+            ]);
+        }
         let mine = crate::exercise::mine_list();
         if !mine.is_empty() {
             t.row([
@@ -698,8 +736,13 @@ impl<'w> Session<'w> {
 /// A pass's footprint as two rows: what its graph keeps from the forward,
 /// and the most its backward holds on top (gradients, sums, temporaries).
 pub fn pass_rows(m: &mut Moment, f: &Footprint, graph: &str) {
-    m.add("activations the graph keeps", f.activations, 1, &format!("{graph}: every op's output, until backward ends"))
-        .add("backward: parameter gradients", f.var_grads_at_peak, 1, "in candle's GradStore at the backward's busiest")
+    m.add("activations the graph keeps", f.activations, 1, &format!("{graph}: every op's output, until backward ends"));
+    backward_rows(m, f);
+}
+
+/// The most a pass's backward holds on top of its activations.
+fn backward_rows(m: &mut Moment, f: &Footprint) {
+    m.add("backward: parameter gradients", f.var_grads_at_peak, 1, "in candle's GradStore at the backward's busiest")
         .add(
             "backward: other gradients, temporaries",
             f.backward_peak - f.var_grads_at_peak,

@@ -18,6 +18,12 @@
 //! [`super::causal_softmax`]'s, rounded where those ops round (bf16 after
 //! each), so it computes the same bits as those ops composed — the tests
 //! hold it to that — in one node instead of twenty.
+//!
+//! P is the one buffer of a block that grows with T²: B·nh·T·T elements
+//! against the block's 18·B·T·C others ([`crate::memory::block_activations`]).
+//! [`Probs::Recompute`] keeps no P: the backward computes it again from q and
+//! k, the same bits, one more q·kᵀ and softmax — *selective* recompute, where
+//! `--recompute` recomputes a whole block.
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
@@ -31,12 +37,30 @@ use super::matmul::Operand;
 /// `qkv` (B, T, 3C) (q, k, v side by side, heads side by side in each) to
 /// (B, T, C). Differentiable.
 pub fn attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    qkv.apply_op1(Attention { n_head, probs: Mutex::new(None) })
+    attention_with(qkv, n_head, Probs::Keep)
+}
+
+/// [`attention`], keeping its probabilities for the backward or not.
+pub fn attention_with(qkv: &Tensor, n_head: usize, policy: Probs) -> Result<Tensor> {
+    qkv.apply_op1(Attention { n_head, policy, probs: Mutex::new(None) })
+}
+
+/// What the attention op keeps between its forward and its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Probs {
+    /// The probabilities P (B, nh, T, T), as the composed ops would.
+    #[default]
+    Keep,
+    /// Nothing beyond its input: the backward recomputes P from q and k
+    /// (selective recompute, Megatron-LM's `--recompute-granularity selective`).
+    Recompute,
 }
 
 struct Attention {
     n_head: usize,
-    /// The forward's probabilities (B, nh, T, T), kept for the backward.
+    policy: Probs,
+    /// The forward's probabilities (B, nh, T, T), kept for the backward
+    /// under [`Probs::Keep`].
     probs: Mutex<Option<Tensor>>,
 }
 
@@ -103,6 +127,18 @@ fn merge<T: Copy>(d: Dims, from: &[T], into: &mut [T], width: usize, base: usize
 /// the composed ops would round their outputs (bf16), else nothing.
 fn forward<T: Calc>(d: Dims, qkv: &[T], round: impl Fn(&mut [T])) -> (Vec<T>, Vec<T>) {
     let (t, c3) = (d.t, 3 * d.c);
+    let p = probs(d, qkv, &round);
+    let mut yh = T::mm(&d.squares(false), &p, &d.heads(c3, 2 * d.c, false), qkv); // P·v
+    round(&mut yh);
+    let mut y = vec![T::default(); d.b * t * d.c];
+    merge(d, &yh, &mut y, d.c, 0);
+    (y, p)
+}
+
+/// P = causal_softmax(q·kᵀ / √hs) (B·nh, T, T): the forward's first half,
+/// and all a recomputing backward needs again.
+fn probs<T: Calc>(d: Dims, qkv: &[T], round: impl Fn(&mut [T])) -> Vec<T> {
+    let (t, c3) = (d.t, 3 * d.c);
     let mut s = T::mm(&d.heads(c3, 0, false), qkv, &d.heads(c3, d.c, true), qkv); // q·kᵀ
     round(&mut s);
     let scale = 1.0 / (d.hs as f64).sqrt();
@@ -112,11 +148,24 @@ fn forward<T: Calc>(d: Dims, qkv: &[T], round: impl Fn(&mut [T])) -> (Vec<T>, Ve
     }
     drop(s);
     round(&mut p);
-    let mut yh = T::mm(&d.squares(false), &p, &d.heads(c3, 2 * d.c, false), qkv); // P·v
-    round(&mut yh);
-    let mut y = vec![T::default(); d.b * t * d.c];
-    merge(d, &yh, &mut y, d.c, 0);
-    (y, p)
+    p
+}
+
+/// P again from `qkv` (contiguous), as a tensor of qkv's dtype: the bits
+/// the forward would have kept.
+fn recompute_probs(d: Dims, qkv: &Tensor) -> Result<Tensor> {
+    let (s, l) = qkv.storage_and_layout();
+    let s = cpu(&s, "attention")?;
+    let shape = (d.b, d.nh, d.t, d.t);
+    match qkv.dtype() {
+        DType::F32 => Tensor::from_vec(probs(d, values::<f32>(s, l, "attention")?, |_| {}), shape, &Device::Cpu),
+        DType::F64 => Tensor::from_vec(probs(d, values::<f64>(s, l, "attention")?, |_| {}), shape, &Device::Cpu),
+        DType::BF16 => {
+            let p = probs(d, &widen(values::<bf16>(s, l, "attention")?), round_to_bf16);
+            Tensor::from_vec(narrow(p), shape, &Device::Cpu)
+        }
+        dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
+    }
 }
 
 /// The backward: dqkv (B, T, 3C) from P and dy (B, T, C).
@@ -169,15 +218,21 @@ impl CustomOp1 for Attention {
             }
             dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
         };
-        *self.probs.lock().expect("not poisoned") = Some(p);
+        if self.policy == Probs::Keep {
+            *self.probs.lock().expect("not poisoned") = Some(p);
+        }
         Ok((y, Shape::from((d.b, d.t, d.c))))
     }
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let p = self.probs.lock().expect("not poisoned").clone();
-        let Some(p) = p else { bail!("attention backward before its forward") };
         let d = Dims::new(qkv.dims(), self.n_head)?;
         let (qkv, grad) = (qkv.contiguous()?, grad.contiguous()?);
+        let kept = self.probs.lock().expect("not poisoned").clone();
+        let p = match (kept, self.policy) {
+            (Some(p), _) => p,
+            (None, Probs::Recompute) => recompute_probs(d, &qkv)?,
+            (None, Probs::Keep) => bail!("attention backward before its forward"),
+        };
         let (sq, lq) = qkv.storage_and_layout();
         let (sp, lp) = p.storage_and_layout();
         let (sg, lg) = grad.storage_and_layout();
@@ -265,6 +320,25 @@ mod tests {
                 "{dtype:?} backward"
             );
         }
+    }
+
+    /// Recomputing P in the backward gives the same bits as keeping it,
+    /// forward and backward, in f32, bf16 and f64; and keeps no P.
+    #[test]
+    fn recomputing_the_probabilities_changes_no_bit() {
+        let (x, g) = (random(&[2, 9, 3 * 12], 5), random(&[2, 9, 12], 6));
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            let grad = |policy: Probs| {
+                let v = Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
+                let y = attention_with(v.as_tensor(), 3, policy).unwrap();
+                let store = (&y * &g.to_dtype(dtype).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+                (bits(&y), bits(store.get(v.as_tensor()).unwrap()))
+            };
+            assert_eq!(grad(Probs::Keep), grad(Probs::Recompute), "{dtype:?}");
+        }
+        let op = Attention { n_head: 3, policy: Probs::Recompute, probs: Mutex::new(None) };
+        x.apply_op1_no_bwd(&op).unwrap();
+        assert!(op.probs.lock().unwrap().is_none(), "P kept under Probs::Recompute");
     }
 
     /// The backward against central finite differences of `sum(y · g)`, in f64.

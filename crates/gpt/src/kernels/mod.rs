@@ -15,7 +15,7 @@
 //! | [`linear`] | `x · wᵀ + b`, one op | [`matmul`]'s chains, [`bias_add`]'s row sums: their bits |
 //! | [`bias_add`] | a linear layer's `x + b`; its backward sums the gradient over the rows | `db` over the rows in order |
 //! | [`gelu`] | erf GELU, its backward in one pass | element-wise; its own `erf` and `exp` in plain f32 operations |
-//! | [`attention`] | causal self-attention from `c_attn`'s output to the merged heads, one op | [`matmul`]'s chains and [`causal_softmax`]'s rows, rounded where they round: their bits |
+//! | [`attention`] | causal self-attention from `c_attn`'s output to the merged heads, one op; its probabilities kept for the backward or recomputed there ([`attention_with`], [`Probs`]) | [`matmul`]'s chains and [`causal_softmax`]'s rows, rounded where they round: their bits |
 //! | [`causal_softmax`] | `softmax(scale · att + causal mask)` in one pass, and its backward in one | each row's max and sums over the visible keys `k = 0, 1, …, i`, in order (glibc's `expf`) |
 mod attention;
 mod common;
@@ -25,7 +25,7 @@ mod matmul;
 mod pointwise;
 mod softmax;
 
-pub use attention::attention;
+pub use attention::{Probs, attention, attention_with};
 pub use layer_norm::layer_norm;
 pub use linear::linear;
 pub use matmul::matmul;
