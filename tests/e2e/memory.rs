@@ -27,16 +27,21 @@ fn the_tally_explains_the_measured_peak() {
         ("step02-whole-model-shard", &[]),
         ("step02-whole-model-shard", &["--no-check"]),
         ("step02-whole-model-shard", &["--recompute"]),
+        ("step02-whole-model-shard", &["--sum-groups", "4"]),
         ("step03-layerwise-shard", &["--no-plot"]),
         ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--blocks-per-unit", "2"]),
         ("step03-layerwise-shard", &["--no-plot", "--selective-recompute"]),
         ("step03-layerwise-shard", &["--no-plot", "--sum-groups", "4"]),
+        ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--sum-groups", "4"]),
         ("step04-optimizer-state-shard", &["--stage", "1"]),
         ("step04-optimizer-state-shard", &["--stage", "1", "--recompute"]),
         ("step04-optimizer-state-shard", &["--stage", "2"]),
         ("step04-optimizer-state-shard", &["--stage", "2", "--recompute"]),
         ("step04-optimizer-state-shard", &["--stage", "3"]),
         ("step04-optimizer-state-shard", &["--stage", "3", "--precision", "fp32"]),
+        ("step04-optimizer-state-shard", &["--stage", "1", "--sum-groups", "4"]),
+        ("step04-optimizer-state-shard", &["--stage", "2", "--sum-groups", "4"]),
+        ("step04-optimizer-state-shard", &["--stage", "3", "--sum-groups", "4"]),
     ];
     let mut failures = vec![];
     for (pkg, extra) in runs {

@@ -90,7 +90,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
     };
     // A unit's reduce-scatter with several sums per rank (--sum-groups):
     // they are packed per destination first, beside the sums themselves.
-    let send_moment = |u: &FsdpUnit, saved: usize, done: usize| {
+    let send_moment = |u: &FsdpUnit, next: Option<&FsdpUnit>, saved: usize, done: usize| {
         let groups = s.sum_groups.per_rank();
         (groups > 1).then(|| {
             let mut m = Moment::new(format!("reduce-scatter of {}", u.name()));
@@ -99,6 +99,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             sums(&mut m, u, done);
             m.add("send buffer", groups * u.layout().padded, 4, "its group sums packed per destination");
             ids(&mut m);
+            prefetched(&mut m, next);
             m
         })
     };
@@ -172,7 +173,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             prefetched(&mut m, next_after(u));
             moments.push(m);
             if k + 1 == mine {
-                moments.extend(send_moment(unit, (u - 1) * mine * btc, mine)); // its own inputs gone
+                moments.extend(send_moment(unit, next_after(u), (u - 1) * mine * btc, mine)); // its own inputs gone
             }
         }
         // The head recomputed, when it is: the root gathered again.
@@ -208,7 +209,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         ids(&mut m);
         moments.push(m);
         if k + 1 == mine {
-            moments.extend(send_moment(&units[0], 0, mine));
+            moments.extend(send_moment(&units[0], None, 0, mine));
         }
     }
     k.peak(moments);

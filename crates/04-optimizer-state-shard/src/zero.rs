@@ -4,7 +4,7 @@
 use fsdp_gpt::Unit;
 use fsdp_harness::session::widen_row;
 use fsdp_harness::table::{Table, mb};
-use fsdp_harness::{MemoryTally, Session};
+use fsdp_harness::{MemoryTally, Moment, Session};
 use step03_layerwise_shard::units::FsdpUnit;
 
 /// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
@@ -61,7 +61,7 @@ pub fn model_states(stage: u8, sh: Shapes) -> MemoryTally {
     if stage == 0 {
         let (shard, g) = (sh.numel.div_ceil(n), sh.sum_groups);
         // receive (one padded vector per group), the packed send when g > 1, my shard
-        let all_reduce = if n > 1 { g * shard * n + if g > 1 { g * shard * n } else { 0 } + shard } else { 0 };
+        let all_reduce = if n > 1 || g > 1 { g * shard * n + if g > 1 { g * shard * n } else { 0 } + shard } else { 0 };
         t.add("fp32 params (the master)", sh.numel, 4, "replicated")
             .add("AdamW m", sh.numel, 4, "replicated")
             .add("AdamW v", sh.numel, 4, "replicated")
@@ -105,7 +105,7 @@ pub fn model_states(stage: u8, sh: Shapes) -> MemoryTally {
     if stage == 3 && sh.prefetch {
         t.add(&format!("next unit, prefetched ({cdt})"), sh.largest_padded, c, "--prefetch");
     }
-    if n > 1 {
+    if n > 1 || sh.sum_groups > 1 {
         let groups = sh.sum_groups; // more than one sum: packed per destination, then received
         t.add(
             "comm buffers",
@@ -163,6 +163,20 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
                 "whole model, over my micro-batches so far",
             );
         }));
+    }
+    let groups = s.sum_groups.per_rank();
+    if groups > 1 {
+        // The reduce-scatters after the backward: every unit's sums, and the
+        // largest unit's packed per destination.
+        let mut m = Moment::new("reduce-scatter of several group sums");
+        let largest = units.iter().map(|u| u.layout().padded).max().unwrap_or(0);
+        m.add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, "whole model, every micro-batch of mine").add(
+            "send buffer",
+            groups * largest,
+            4,
+            "the largest unit's group sums packed per destination",
+        );
+        moments.push(m);
     }
     t.peak(moments);
     t
