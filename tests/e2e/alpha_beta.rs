@@ -6,8 +6,8 @@ use crate::common::*;
 fn the_model_is_fitted_and_predicts_a_lessons_bytes() {
     let (o, lesson) = mpirun("step01-data-parallel", 2, FAST, "alpha-beta-lesson");
     ok_stdout(&o);
-    let report = lesson.join("report.json");
-    let (o, _) = mpirun("fsdp-alpha-beta", 2, &["--reps", "5", report.to_str().unwrap()], "alpha-beta");
+    let (o, _) =
+        mpirun("fsdp-alpha-beta", 2, &["--reps", "5", lesson.join("report.json").to_str().unwrap()], "alpha-beta");
     let out = ok_stdout(&o);
     // α and 1/β: a latency under a millisecond, a bandwidth above 100 MB/s, both positive.
     let line = out.lines().find(|l| l.starts_with("α = ")).expect("the fit's line");
@@ -22,7 +22,7 @@ fn the_model_is_fitted_and_predicts_a_lessons_bytes() {
         assert!(out.contains(cell), "{cell}: {out}");
     }
     // The lesson's all-reduce: one call per step of (N − 1)/N · 2 of the padded fp32 gradient.
-    let r = report_of(&report);
+    let r = report(&lesson);
     let steps = r["steps"].as_u64().unwrap();
     let sent = r["traffic"]["all_reduce"]["bytes_sent"].as_u64().unwrap() / steps;
     assert_eq!(sent, 3_239_424);
@@ -41,10 +41,6 @@ fn the_model_is_fitted_and_predicts_a_lessons_bytes() {
     let (code, lines) = failure(&o);
     assert_eq!((code, lines.len()), (2, 1), "{lines:?}");
     assert!(lines[0].contains("ran at 1 ranks, the sweep at 2"), "{}", lines[0]);
-}
-
-fn report_of(path: &std::path::Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 /// `FSDP_SYNC_COLLECTIVES=1`: a barrier before every collective changes no

@@ -167,8 +167,8 @@ impl DataParallel {
             .add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, &sums_note(s.sum_groups.buffers()))
             .add("grad shard", self.grad_shard.len(), 4, "my 1/N inside the ordered all-reduce");
         let simulated = simulated_ranks.is_some(); // --accumulate: no all-to-all
-        if s.uses_all_to_all() && self.reduce == Reduce::Ordered && !simulated {
-            t.add("all-to-all receive buffer", groups * padded, 4, "the reduce-scatter's input from every rank, kept");
+        if let Some(len) = s.receive_buffer_len(padded).filter(|_| self.reduce == Reduce::Ordered && !simulated) {
+            t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, kept");
         }
         s.data_tally(&mut t);
         let (e, vars_note) = (self.precision.bytes(), "compute copy, rebuilt each step");

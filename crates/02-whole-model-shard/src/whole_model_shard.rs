@@ -182,13 +182,8 @@ impl WholeModelShard {
             .add("gathered full params", l.padded, 4, "all-gather output, full copy, kept")
             .add("grad sums (fp32)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced")
             .add("grad shard", l.shard_len, 4, "my 1/N inside the ordered all-reduce");
-        if s.uses_all_to_all() {
-            t.add(
-                "all-to-all receive buffer",
-                groups * l.padded,
-                4,
-                "the reduce-scatter's input from every rank, kept",
-            );
+        if let Some(len) = s.receive_buffer_len(l.padded) {
+            t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, kept");
         }
         s.data_tally(&mut t);
         let vars_note = "compute copy, full";

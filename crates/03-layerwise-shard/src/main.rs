@@ -17,7 +17,7 @@ use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::tally::{bytes_per_step, lower_peak, tally, unsharded_peak_table};
-use step03_layerwise_shard::units::{UnitPolicy, build_units};
+use step03_layerwise_shard::units::{UnitPolicy, build_units, largest_padded};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 const LESSON: Lesson =
@@ -87,7 +87,7 @@ fn main() -> ExitCode {
             ),
         ]);
 
-        s.reserve_receive_buffer(units.iter().map(|u| u.layout().padded).max().unwrap_or(0));
+        s.reserve_receive_buffer(largest_padded(&units));
         let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch, head_grad };
         let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes

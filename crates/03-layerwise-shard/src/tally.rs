@@ -7,7 +7,7 @@ use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
 use crate::layerwise_shard::HeadGrad;
-use crate::units::FsdpUnit;
+use crate::units::{FsdpUnit, largest_padded};
 
 // ANCHOR: tally
 /// Bytes this rank holds, by category, from shapes: every unit's shards
@@ -28,9 +28,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         .add("AdamW m shards", shard, 4, &share)
         .add("AdamW v shards", shard, 4, &share)
         .add("grad shards (fp32)", shard, 4, "reduce-scattered, 1/N of every unit");
-    if s.uses_all_to_all() {
-        let most = units.iter().map(|u| u.layout().padded).max().unwrap_or(0) * s.sum_groups.per_rank();
-        k.add("all-to-all receive buffer", most, 4, "the reduce-scatter's input from every rank, largest unit, kept");
+    if let Some(len) = s.receive_buffer_len(largest_padded(units)) {
+        k.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, largest unit, kept");
     }
     s.data_tally(&mut k);
 

@@ -294,6 +294,12 @@ pub fn units_json(units: &[FsdpUnit]) -> serde_json::Value {
     serde_json::Value::Array(units.iter().map(one).collect())
 }
 
+/// The largest unit's padded length: what one unit-sized buffer must hold
+/// (the reduce-scatter's receive and send buffers, a prefetched unit).
+pub fn largest_padded(units: &[FsdpUnit]) -> usize {
+    units.iter().map(|u| u.layout().padded).max().unwrap_or(0)
+}
+
 /// Every unit of the model on this rank, root first: my shard of each, cut
 /// from `start` (the seed's weights, or a checkpoint's with AdamW's moments).
 pub fn build_units(

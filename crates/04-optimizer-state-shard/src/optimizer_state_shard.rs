@@ -25,7 +25,7 @@ use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
 use step03_layerwise_shard::tally::lower_peak;
-use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, update_all};
+use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, largest_padded, update_all};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 /// One rank's share of the training state at ZeRO stage `stage`.
@@ -54,7 +54,7 @@ impl OptimizerStateShard {
         let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype(), bf16_wire };
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are read: the start's source goes
-        s.reserve_receive_buffer(units.iter().map(|u| u.layout().padded).max().unwrap_or(0));
+        s.reserve_receive_buffer(largest_padded(&units));
         // Stage 3 runs lesson 03's schedule: what waits for the tied wte (lesson 03's default).
         let head_grad = match stage {
             3 => head_grad.unwrap_or_else(|| lower_peak(s, &units, prefetch)),

@@ -5,7 +5,7 @@ use fsdp_gpt::Unit;
 use fsdp_harness::session::widen_row;
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
-use step03_layerwise_shard::units::FsdpUnit;
+use step03_layerwise_shard::units::{FsdpUnit, largest_padded};
 
 /// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
 pub const SCHEMES: [(u8, &str); 4] = [(0, "data parallel"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")];
@@ -133,9 +133,8 @@ fn resident_kept(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
         .add("AdamW v shard", shard, 4, &share)
         .add("grad shard (fp32)", shard, 4, &share)
         .add(&format!("compute copy, resident ({dt})"), padded, e, "whole model, all-gathered after each update");
-    if s.uses_all_to_all() {
-        let most = units.iter().map(|u| u.layout().padded).max().unwrap_or(0) * s.sum_groups.per_rank();
-        t.add("all-to-all receive buffer", most, 4, "the reduce-scatter's input from every rank, largest unit, kept");
+    if let Some(len) = s.receive_buffer_len(largest_padded(units)) {
+        t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, largest unit, kept");
     }
     s.data_tally(&mut t);
     t
@@ -169,7 +168,7 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
         // The reduce-scatters after the backward: every unit's sums, and the
         // largest unit's packed per destination.
         let mut m = Moment::new("reduce-scatter of several group sums");
-        let largest = units.iter().map(|u| u.layout().padded).max().unwrap_or(0);
+        let largest = largest_padded(units);
         m.add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, "whole model, every micro-batch of mine").add(
             "send buffer",
             groups * largest,

@@ -290,19 +290,21 @@ impl<'w> Session<'w> {
         MicroBatchSum::new(self.sum_groups, len)
     }
 
-    /// Whether the ordered reduce-scatter goes through its all-to-all
-    /// buffers: between ranks, or with several sums per rank (`--sum-groups`
-    /// on one rank still packs and sums them the same way).
-    pub fn uses_all_to_all(&self) -> bool {
-        self.world.size() > 1 || self.sum_groups.per_rank() > 1
+    /// The elements of the ordered reduce-scatter's all-to-all receive
+    /// buffer for vectors of `padded` elements (one per sum of mine), if it
+    /// has one: between ranks, or with several sums per rank (`--sum-groups`
+    /// on one rank still packs and sums them the same way). What a tally
+    /// counts and [`Session::reserve_receive_buffer`] allocates.
+    pub fn receive_buffer_len(&self, padded: usize) -> Option<usize> {
+        let groups = self.sum_groups.per_rank();
+        (self.world.size() > 1 || groups > 1).then_some(groups * padded)
     }
 
-    /// The all-to-all receive buffer of the ordered reduce-scatter of
-    /// vectors of `padded` elements, allocated now, as the tallies count it
-    /// (kept, from the first step on), so that step 1 peaks where every step does.
+    /// That receive buffer, allocated now, as the tallies count it (kept,
+    /// from the first step on), so that step 1 peaks where every step does.
     pub fn reserve_receive_buffer(&self, padded: usize) {
-        if self.uses_all_to_all() {
-            self.world.reserve_receive_buffer(self.sum_groups.per_rank() * padded);
+        if let Some(len) = self.receive_buffer_len(padded) {
+            self.world.reserve_receive_buffer(len);
         }
     }
 

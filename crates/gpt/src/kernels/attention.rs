@@ -123,21 +123,41 @@ fn merge<T: Copy>(d: Dims, from: &[T], into: &mut [T], width: usize, base: usize
     }
 }
 
-/// The forward: (y (B, T, C), P (B, nh, T, T)). `round` is applied where
-/// the composed ops would round their outputs (bf16), else nothing.
-fn forward<T: Calc>(d: Dims, qkv: &[T], round: impl Fn(&mut [T])) -> (Vec<T>, Vec<T>) {
-    let (t, c3) = (d.t, 3 * d.c);
-    let p = probs(d, qkv, &round);
-    let mut yh = T::mm(&d.squares(false), &p, &d.heads(c3, 2 * d.c, false), qkv); // P·v
-    round(&mut yh);
-    let mut y = vec![T::default(); d.b * t * d.c];
-    merge(d, &yh, &mut y, d.c, 0);
-    (y, p)
+/// The forward from `qkv`'s storage, in its dtype: y (B, T, C) when
+/// `with_y`, and P (B, nh, T, T) as a tensor when `keep_p`. A recomputing
+/// backward asks for P alone — the same code, so the same bits.
+fn forward(
+    d: Dims,
+    s: &CpuStorage,
+    l: &Layout,
+    with_y: bool,
+    keep_p: bool,
+) -> Result<(Option<CpuStorage>, Option<Tensor>)> {
+    let shape = (d.b, d.nh, d.t, d.t);
+    Ok(match s.dtype() {
+        DType::F32 => {
+            let (y, p) = forward_as(d, values::<f32>(s, l, "attention")?, with_y, |_| {});
+            (y.map(CpuStorage::F32), keep_p.then(|| Tensor::from_vec(p, shape, &Device::Cpu)).transpose()?)
+        }
+        DType::F64 => {
+            let (y, p) = forward_as(d, values::<f64>(s, l, "attention")?, with_y, |_| {});
+            (y.map(CpuStorage::F64), keep_p.then(|| Tensor::from_vec(p, shape, &Device::Cpu)).transpose()?)
+        }
+        DType::BF16 => {
+            let (y, p) = forward_as(d, &widen(values::<bf16>(s, l, "attention")?), with_y, round_to_bf16);
+            (
+                y.map(|y| CpuStorage::BF16(narrow(y))),
+                keep_p.then(|| Tensor::from_vec(narrow(p), shape, &Device::Cpu)).transpose()?,
+            )
+        }
+        dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
+    })
 }
 
-/// P = causal_softmax(q·kᵀ / √hs) (B·nh, T, T): the forward's first half,
-/// and all a recomputing backward needs again.
-fn probs<T: Calc>(d: Dims, qkv: &[T], round: impl Fn(&mut [T])) -> Vec<T> {
+/// The forward in one element type: P = causal_softmax(q·kᵀ / √hs)
+/// (B·nh, T, T), then, `with_y`, y = P·v merged back to (B, T, C). `round`
+/// is applied where the composed ops would round their outputs (bf16).
+fn forward_as<T: Calc>(d: Dims, qkv: &[T], with_y: bool, round: impl Fn(&mut [T])) -> (Option<Vec<T>>, Vec<T>) {
     let (t, c3) = (d.t, 3 * d.c);
     let mut s = T::mm(&d.heads(c3, 0, false), qkv, &d.heads(c3, d.c, true), qkv); // q·kᵀ
     round(&mut s);
@@ -148,24 +168,14 @@ fn probs<T: Calc>(d: Dims, qkv: &[T], round: impl Fn(&mut [T])) -> Vec<T> {
     }
     drop(s);
     round(&mut p);
-    p
-}
-
-/// P again from `qkv` (contiguous), as a tensor of qkv's dtype: the bits
-/// the forward would have kept.
-fn recompute_probs(d: Dims, qkv: &Tensor) -> Result<Tensor> {
-    let (s, l) = qkv.storage_and_layout();
-    let s = cpu(&s, "attention")?;
-    let shape = (d.b, d.nh, d.t, d.t);
-    match qkv.dtype() {
-        DType::F32 => Tensor::from_vec(probs(d, values::<f32>(s, l, "attention")?, |_| {}), shape, &Device::Cpu),
-        DType::F64 => Tensor::from_vec(probs(d, values::<f64>(s, l, "attention")?, |_| {}), shape, &Device::Cpu),
-        DType::BF16 => {
-            let p = probs(d, &widen(values::<bf16>(s, l, "attention")?), round_to_bf16);
-            Tensor::from_vec(narrow(p), shape, &Device::Cpu)
-        }
-        dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
+    if !with_y {
+        return (None, p);
     }
+    let mut yh = T::mm(&d.squares(false), &p, &d.heads(c3, 2 * d.c, false), qkv); // P·v
+    round(&mut yh);
+    let mut y = vec![T::default(); d.b * t * d.c];
+    merge(d, &yh, &mut y, d.c, 0);
+    (Some(y), p)
 }
 
 /// The backward: dqkv (B, T, 3C) from P and dy (B, T, C).
@@ -202,26 +212,9 @@ impl CustomOp1 for Attention {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = Dims::new(l.dims(), self.n_head)?;
-        let probs = (d.b, d.nh, d.t, d.t);
-        let (y, p) = match s.dtype() {
-            DType::F32 => {
-                let (y, p) = forward(d, values::<f32>(s, l, "attention")?, |_| {});
-                (CpuStorage::F32(y), Tensor::from_vec(p, probs, &Device::Cpu)?)
-            }
-            DType::F64 => {
-                let (y, p) = forward(d, values::<f64>(s, l, "attention")?, |_| {});
-                (CpuStorage::F64(y), Tensor::from_vec(p, probs, &Device::Cpu)?)
-            }
-            DType::BF16 => {
-                let (y, p) = forward(d, &widen(values::<bf16>(s, l, "attention")?), round_to_bf16);
-                (CpuStorage::BF16(narrow(y)), Tensor::from_vec(narrow(p), probs, &Device::Cpu)?)
-            }
-            dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
-        };
-        if self.policy == Probs::Keep {
-            *self.probs.lock().expect("not poisoned") = Some(p);
-        }
-        Ok((y, Shape::from((d.b, d.t, d.c))))
+        let (y, p) = forward(d, s, l, true, self.policy == Probs::Keep)?;
+        *self.probs.lock().expect("not poisoned") = p; // None under Probs::Recompute
+        Ok((y.expect("the forward asked for y"), Shape::from((d.b, d.t, d.c))))
     }
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -230,7 +223,10 @@ impl CustomOp1 for Attention {
         let kept = self.probs.lock().expect("not poisoned").clone();
         let p = match (kept, self.policy) {
             (Some(p), _) => p,
-            (None, Probs::Recompute) => recompute_probs(d, &qkv)?,
+            (None, Probs::Recompute) => {
+                let (s, l) = qkv.storage_and_layout();
+                forward(d, cpu(&s, "attention")?, l, false, true)?.1.expect("P asked for")
+            }
             (None, Probs::Keep) => bail!("attention backward before its forward"),
         };
         let (sq, lq) = qkv.storage_and_layout();
