@@ -142,9 +142,12 @@ compare-pytorch *ARGS: build
     "$venv/bin/python3" pytorch/compare.py --python "$venv/bin/python3" {{ARGS}} || status=$?
     # The full run goes into the book, its checks' verdicts (✓ or ✗) with it:
     # status 0 (all checks pass) or 3 (a check fails); not after a failed run.
-    if [ -z "{{ARGS}}" ] && { [ $status -eq 0 ] || [ $status -eq 3 ]; } && [ -f out/compare-pytorch/compare.md ]; then
-        cp out/compare-pytorch/compare.md book/src/generated/compare-pytorch.md
-        echo "copied into book/src/generated/ for the performance appendix"
+    # One listing per matmul path (compare-pytorch-avx512.md, -avx2.md): an AVX-512 machine
+    # writes both, the second with `just compare-pytorch --isa avx2`.
+    if { [ -z "{{ARGS}}" ] || [ "{{ARGS}}" = "--isa avx2" ]; } && { [ $status -eq 0 ] || [ $status -eq 3 ]; } && [ -f out/compare-pytorch/compare.json ]; then
+        path=$(python3 -c 'import json; print(json.load(open("out/compare-pytorch/compare.json"))["machine"]["path"])')
+        cp out/compare-pytorch/compare.md "book/src/generated/compare-pytorch-$path.md"
+        echo "copied into book/src/generated/compare-pytorch-$path.md for the performance appendix"
     fi
     exit $status
 
@@ -161,13 +164,47 @@ alpha-beta: build
     run 02-whole-model-shard target/release/step02-whole-model-shard --no-check --no-plot
     run 03-layerwise-shard target/release/step03-layerwise-shard --no-plot
     run 03-layerwise-shard-prefetch target/release/step03-layerwise-shard --no-plot --prefetch
-    flops=$(target/release/fsdp-bench --matmul-only | sed -E 's/.*"matmul_peak_flops":([0-9.eE+-]+).*/\1/')
+    flops=$(target/release/fsdp-bench --peak-only)
     mpirun -q --oversubscribe -n 2 target/release/fsdp-alpha-beta --matmul-flops "$flops" --out "$out" \
         "$out"/{01-data-parallel,02-whole-model-shard,03-layerwise-shard,03-layerwise-shard-prefetch}/report.json
     # Open MPI's shared-memory transport: the message size above which it stops sending eagerly.
     limit=$(ompi_info --param btl vader --level 9 2>/dev/null | grep -o '"btl_vader_eager_limit" (current value: "[0-9]*"' | grep -o '[0-9][0-9]*' || true)
     [ -z "$limit" ] || echo "Open MPI's shared-memory eager limit (ompi_info: btl_vader_eager_limit): $limit bytes" | tee -a "$out/alpha-beta.txt"
     if [ "${BOOK:-}" = 1 ]; then cp "$out/alpha-beta.txt" book/src/generated/bench-alpha-beta.txt; echo "copied into book/src/generated/ for the performance appendix"; fi
+
+# A cluster on one machine (root): NODES network namespaces on one switch, each link shaped to RATE
+# (as tc writes it; none: unshaped); runs CMD in node1 with the hostfile out/cluster/hosts, then removes it all:
+#   just cluster 2 500mbit mpirun -q --hostfile out/cluster/hosts -n 2 -x RAYON_NUM_THREADS=1 target/release/step03-layerwise-shard
+cluster NODES="2" RATE="1gbit" *CMD: build
+    @bash scripts/cluster.sh --nodes {{NODES}} --rate {{RATE}} -- {{CMD}}
+
+# Overlap on a wire as slow as a network (root): lesson 01 with and without DDP's buckets, lesson 03 and
+# ZeRO-3 with and without --prefetch, on 2 simulated nodes whose link is shaped to RATE, traced, beside the
+# α–β model's prediction and PyTorch's DDP and FSDP2 (if `just compare-pytorch` installed it); a bucket-size
+# sweep. `BOOK=1 just overlap` also copies the table and the traces' figure into the book.
+overlap RATE="400mbit" *ARGS: build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    venv=.venv-torch; py=()
+    if "$venv/bin/python3" -c "import torch; assert torch.__version__.startswith('2.15.0')" 2>/dev/null; then
+        py=(--python "$PWD/$venv/bin/python3")
+    else
+        echo "note: no PyTorch 2.15.0 in $venv (just compare-pytorch installs it): its rows are left out"
+    fi
+    rm -rf out/overlap
+    bash scripts/cluster.sh --nodes 2 --rate {{RATE}} -- python3 scripts/overlap.py --rate {{RATE}} "${py[@]}" {{ARGS}}
+    python3 scripts/overlap.py --shared-memory --reps 5 --steps 20
+    { echo; cat out/overlap/shared-memory.txt; } >> out/overlap/overlap.txt
+    if [ "${BOOK:-}" = 1 ]; then
+        cp out/overlap/overlap.txt book/src/generated/overlap.txt
+        target/release/fsdp-timeline --out book/src/generated/03-overlap-timeline.svg --step 3 \
+            "lesson 03, every collective blocking=out/overlap/runs/lesson_03-0/trace/trace.json" \
+            "lesson 03 --prefetch: the next unit gathered, the last reduce-scattered on the stream=out/overlap/runs/lesson_03_--prefetch-0/trace/trace.json"
+        target/release/fsdp-timeline --out book/src/generated/01-buckets-timeline.svg --step 3 \
+            "lesson 01, one all-reduce after the backward=out/overlap/runs/lesson_01_one_all-reduce-0/trace/trace.json" \
+            "lesson 01 --bucket-mb 0.1: DDP's buckets in the backward=out/overlap/runs/lesson_01_DDP_buckets-0/trace/trace.json"
+        echo "copied into book/src/generated/"
+    fi
 
 # Does this machine compute the book's bits? Short reference runs, compared with the book's listing.
 check-bits: build

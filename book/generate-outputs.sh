@@ -77,13 +77,16 @@ cp out/book/03-two-ranks/memory_timeline.svg "$gen/03-memory-timeline.svg"
 # preset (10.7M params) on 1 × 32-token micro-batches.
 run 03-small-params 2 step03-layerwise-shard --preset small --batch-size 1 --seq-len 32 --micro-batches 2 --steps 3
 cp out/book/03-small-params/memory_timeline.svg "$gen/03-memory-timeline-small.svg"
-# Prefetch on and off, 20 steps each, 2 and 4 ranks: the measured lines only.
+# Prefetch on and off, 20 steps each, 2 and 4 ranks: the measured lines, and the tally's peak beside the measured one.
 {
     for ranks in 2 4; do
         for flag in "" --prefetch; do
             echo "· just step 03 $ranks --steps 20 --log-every 100 --no-plot $flag"
             mpirun -q --oversubscribe -n "$ranks" target/release/step03-layerwise-shard --steps 20 --log-every 100 --no-plot $flag --out "out/book/03-prefetch" \
-                | grep -E "^measured" | sed 's/^/    /'
+                | awk -F'│' '/^measured/ { print "    " $0 }
+                    /at the peak:/ { sub(/^ *at the peak: */, "", $2); sub(/ *$/, "", $2); at = $2 }
+                    $2 ~ /^ *peak *$/ { sub(/^ */, "", $5); sub(/ *$/, "", $5); printf "    the tally'"'"'s peak: %s, at %s\n", $5, at }
+                    /tally.s peak/ { gsub(/ /, "", $3); print "    measured peak heap / tally'"'"'s peak, rank 0: " $3 }'
         done
     done
 } > "$gen/03-prefetch.txt"

@@ -49,6 +49,7 @@ def mask(line):
     line = re.sub(r"[0-9][0-9,]* tok/s", "[tok/s]", line)
     line = re.sub(r"[0-9]+\.[0-9]+ ms", "[ms]", line)
     line = re.sub(r"[0-9]+\.[0-9]+ s\)", "[s])", line)
+    line = re.sub(r"[0-9]+% hidden", "[%] hidden", line)  # a ratio of two times
     if line.startswith("timing"):  # a measured time or a ratio of two: differs every run
         line = re.sub(r"[0-9]+\.[0-9]+", "#", line)
     if "peak RSS" in line:
@@ -84,6 +85,8 @@ for committed in book/src/generated/*; do
     if [[ "$name" == bench* ]]; then echo "· $name: from \`just bench\`, timings only (not compared)"; continue; fi
     # `just compare-pytorch` writes this one: it needs PyTorch (5 GiB), which CI does not install.
     if [[ "$name" == compare-pytorch* ]]; then echo "· $name: from \`just compare-pytorch\`, timings only (not compared)"; continue; fi
+    # `BOOK=1 just overlap` writes these (run below): timings, and traces' figures of them.
+    if [[ "$name" == overlap.txt || "$name" == 03-overlap-timeline.svg || "$name" == 01-buckets-timeline.svg ]]; then echo "· $name: from \`just overlap\`, timings only (not compared)"; continue; fi
     fresh="$scratch/generated/$name"
     listings=$((listings + 1))
     if [ ! -s "$fresh" ]; then

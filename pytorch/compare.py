@@ -36,14 +36,27 @@ GROUPS = [
         [("FSDP2 fully_shard per block", "fsdp2")],
     ),
 ]
-# PyTorch's own single-thread f32 matmul rate, measured as fsdp-bench measures the lessons' kernel: 1024³, best of 5.
-TORCH_MATMUL = """
-import time, torch
+# torch.matmul on one thread at the shapes fsdp-bench --matmul-only measured (stdin: its rates),
+# with the same transposed views, each timed as fsdp-bench times the lessons' kernel: best of 5.
+TORCH_RATES = """
+import json, sys, time, torch
 torch.set_num_threads(1)
-a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-a @ b
-best = min((lambda t0: (a @ b, time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(5))
-print(2 * 1024**3 / best)
+out = []
+for r in json.load(sys.stdin):
+    m, k, n = r["m"], r["k"], r["n"]
+    at, bt = ": gᵀ·x" in r["shape"], ": x·wᵀ" in r["shape"]
+    a = torch.randn(k, m).t() if at else torch.randn(m, k)
+    b = torch.randn(n, k).t() if bt else torch.randn(k, n)
+    a @ b
+    reps = max(1, min(200, int(2e8 / (2 * m * k * n))))
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = max(best, reps * 2 * m * k * n / (time.perf_counter() - t0))
+    out.append(dict(r, flops=best))
+print(json.dumps(out))
 """
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
 
@@ -68,14 +81,39 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="measured steps, after the warm-up")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--isa", choices=["native", "avx2"], default="native",
+                   help="avx2: hold both sides to AVX2 on a wider CPU (FSDP_MATMUL=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2)")
     a = p.parse_args()
+    if a.isa == "avx2":
+        ENV.update(FSDP_MATMUL="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")
     here = os.path.dirname(os.path.abspath(__file__))
     os.makedirs(a.out, exist_ok=True)
     if os.path.exists(f"{a.out}/compare.md"):
         os.remove(f"{a.out}/compare.md")  # a failed run must not leave the last one's table to be copied
-    machine = json.loads(sh([f"{a.bin}/fsdp-bench", "--matmul-only", "--out", f"{a.out}/bench"]))
+    # The matmuls, ours and torch's, alternated three times, each shape's best of all: this CPU's clock moves.
+    def ours_rates():
+        return json.loads(sh([f"{a.bin}/fsdp-bench", "--matmul-only", "--json", "--out", f"{a.out}/bench"]))
+
+    def torch_rates(shapes):
+        return json.loads(subprocess.run([a.python, "-c", TORCH_RATES], input=json.dumps(shapes), env=ENV,
+                                         capture_output=True, text=True, check=True).stdout)
+
+    def best(old, new):
+        return [o if o["flops"] >= n["flops"] else n for o, n in zip(old, new)] if old else new
+
+    machine, theirs = None, None
+    for rnd in range(3):
+        for side in ("ours", "torch") if rnd % 2 == 0 else ("torch", "ours"):
+            if side == "ours":
+                got = ours_rates()
+                machine = got if machine is None else dict(machine, rates=best(machine["rates"], got["rates"]),
+                                                              matmul_peak_flops=max(machine["matmul_peak_flops"], got["matmul_peak_flops"]))
+            else:
+                shapes = [r for r in (machine or ours_rates())["rates"] if r["path"] == (machine or {}).get("path", "avx2")]
+                theirs = best(theirs, torch_rates(shapes))
     torch_version = sh([a.python, "-c", "import torch; print(torch.__version__)"]).strip()
-    machine["torch_matmul_peak_flops"] = float(sh([a.python, "-c", TORCH_MATMUL]))
+    machine["torch_rates"] = theirs
+    machine["torch_matmul_peak_flops"] = next(r["flops"] for r in theirs if r["shape"] == "1024³")
     print(f"{machine['cpu']}: single-thread f32 matmul, 1024³: the lessons' kernel {machine['matmul_peak_flops'] / 1e9:.1f} "
           f"GFLOP/s, PyTorch's {machine['torch_matmul_peak_flops'] / 1e9:.1f}; torch {torch_version}")
     steps = a.warmup + a.steps
@@ -193,6 +231,24 @@ def render(machine, torch_version, a, results, checks):
             f"| {r['ratio']:.2f}× | {r['ours_rss_mib']:.0f} vs {r['torch_rss_mib']:.0f} | {r['max_loss_diff']:.1e} |"
         )
     lines += ["", "Speed ratio: PyTorch's median step time over this project's (above 1: this project is faster).", ""]
+    paths = sorted({r["path"] for r in machine["rates"]}, key=["avx512", "avx2", "portable"].index)
+    lines += [
+        f"The matmul on one thread, GFLOP/s (best of 5, the best of three alternated rounds): the lessons' kernel through every path this CPU runs, "
+        f"torch.matmul ({'MKL held to AVX2' if a.isa == 'avx2' else 'MKL, its own choice of path'}) beside the one in use "
+        f"({machine['path']}); the CPU's FMA peak at the clock /proc/cpuinfo reported: "
+        + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in machine["fma_peaks"]["peaks"].items()) + ".",
+        "",
+        "| product | M × K × N | " + " | ".join(f"ours, {p}" for p in paths) + " | torch.matmul | ours / torch |",
+        "|---|---|" + "---|" * len(paths) + "---|---|",
+    ]
+    for t in machine["torch_rates"]:
+        ours = {r["path"]: r["flops"] for r in machine["rates"] if r["shape"] == t["shape"]}
+        lines.append(
+            f"| {t['shape']} | {t['m']} × {t['k']} × {t['n']} | "
+            + " | ".join(f"{ours[p] / 1e9:.1f}" for p in paths)
+            + f" | {t['flops'] / 1e9:.1f} | {ours[machine['path']] / t['flops']:.2f}× |"
+        )
+    lines.append("")
     lines += [f"- {'✓' if ok else '✗'} {c}" for c, ok in checks]
     return "\n".join(lines) + "\n"
 

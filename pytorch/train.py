@@ -46,6 +46,7 @@ def main():
     p.add_argument("--data", help="a folder fsdp-reference-data wrote")
     p.add_argument("--json", help="rank 0 writes the run's losses, step times and peak RSS here")
     p.add_argument("--port", type=int, default=29500)
+    p.add_argument("--master", default="127.0.0.1", help="rank 0's address (another machine's, or a simulated node's)")
     p.add_argument("--weights", help="eval: a weights file")
     p.add_argument("--corpus", help="eval: token ids (corpus.u32)")
     p.add_argument("--batches", type=int, default=8, help="eval: batches of 8 windows, as fsdp-eval")
@@ -57,7 +58,7 @@ def main():
         sys.exit("error: launch it with Open MPI's mpirun (mpirun -n N python3 pytorch/train.py …): it takes its rank from there")
     rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
     world = int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=rank, world_size=world)
     with open(f"{a.data}/meta.json") as f:
         meta = json.load(f)
     data = gpt.batches(a.data, meta)

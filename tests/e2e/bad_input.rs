@@ -196,3 +196,24 @@ fn reference_data_refuses_what_it_would_ignore() {
         ]
     );
 }
+
+/// The measuring knobs, set wrong: the same one line from rank 0, every rank
+/// stopped before its first collective (nothing half-run, nothing written).
+#[test]
+fn measuring_knobs_set_wrong() {
+    for (pkg, var, value, want) in [
+        ("step01-data-parallel", "FSDP_MATMUL", "avx9", "FSDP_MATMUL=avx9: this CPU runs "),
+        (
+            "step03-layerwise-shard",
+            "FSDP_MATMUL_BLOCKS",
+            "256,72",
+            "FSDP_MATMUL_BLOCKS=256,72: give three positive sizes",
+        ),
+        ("step02-whole-model-shard", "FSDP_MATMUL_BLOCKS", "0,72,4096", "FSDP_MATMUL_BLOCKS=0,72,4096: give three"),
+        ("step03-layerwise-shard", "FSDP_POLL_US", "200,10", "FSDP_POLL_US=200,10: give FIRST,MOST in microseconds"),
+        ("step01-data-parallel", "FSDP_POLL_US", "fast", "FSDP_POLL_US=fast: give FIRST,MOST"),
+    ] {
+        let e = fails_with_env(pkg, 2, &[], &[(var, value)], &format!("bad-knob-{var}-{value}"));
+        assert!(e.starts_with(&format!("error: {want}")), "{var}={value}: {e}");
+    }
+}

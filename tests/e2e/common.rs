@@ -133,7 +133,14 @@ pub fn failure(o: &Output) -> (i32, Vec<String>) {
 /// rank that checked a damaged file), no panic or backtrace, and nothing
 /// written to the run's --out folder. Returns the error line.
 pub fn fails(package: &str, ranks: usize, args: &[&str], name: &str) -> String {
-    let (o, out) = mpirun(package, ranks, args, name);
+    fails_with_env(package, ranks, args, &[], name)
+}
+
+/// [`fails`], with environment variables set for every rank.
+pub fn fails_with_env(package: &str, ranks: usize, args: &[&str], env: &[(&str, &str)], name: &str) -> String {
+    let (mut cmd, out) = mpirun_command(package, ranks, args, name);
+    cmd.envs(env.iter().copied());
+    let o = cmd.output().expect("mpirun runs (install Open MPI: `just setup`)");
     let (code, lines) = failure(&o);
     assert_eq!(code, 2, "{name}: exit code; stderr {lines:?}");
     assert_eq!(lines.len(), 1, "{name}: exactly one line on stderr, got {lines:?}");

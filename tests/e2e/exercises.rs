@@ -159,6 +159,17 @@ fn every_stub_stops_with_one_line_naming_its_file() {
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(lines[0].starts_with("error: exercise 3.1 is not written yet"), "{lines:?}");
     }
+    // With DDP's buckets exercise 1.1's rank sum runs on the communication
+    // stream's thread: its panic is raised where the compute thread waits.
+    let e = EXERCISES.iter().find(|e| e.id == "1.1").unwrap();
+    if e.is_stub() {
+        let args = [BASE, &M16, &["--bucket-mb", "0.1", "--mine", "1"]].concat();
+        let (cmd, _) = mpirun_command(e.package, RANKS, &args, "exercise-1.1-buckets");
+        let (code, lines) = failure(&with_timeout(cmd, 300));
+        assert_eq!(code, 2, "{lines:?}");
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].starts_with("error: exercise 1.1 is not written yet"), "{lines:?}");
+    }
 }
 
 /// `--mine K` where the run would never call the learner's code is refused,

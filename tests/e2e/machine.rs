@@ -16,14 +16,16 @@ use std::process::{Command, Output};
 use crate::common::*;
 
 /// A copy of /sys/devices/system/cpu (its readable files) whose L1d and L2
-/// sizes are another CPU's: 32K/512K (a Zen 3) unless the machine has those,
-/// then 48K/2048K (an Intel core).
+/// sizes are another CPU's: 32K/128K unless the machine has a 32K L1d, then
+/// 48K/128K. A 128K L2 also makes the model's matmul block its contraction
+/// (at most 384 steps: the small preset's 1536-long ones in four blocks),
+/// where the real caches leave it whole.
 fn fake_cpu_tree(name: &str) -> PathBuf {
     let dst = root().join("target/test-out").join(name); // one per test: they run in parallel
     let _ = std::fs::remove_dir_all(&dst);
     copy_readable(Path::new("/sys/devices/system/cpu"), &dst);
     let real_l1 = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index0/size").unwrap_or_default();
-    let (l1, l2) = if real_l1.trim() == "32K" { ("48K", "2048K") } else { ("32K", "512K") };
+    let (l1, l2) = if real_l1.trim() == "32K" { ("48K", "128K") } else { ("32K", "128K") };
     for cpu in std::fs::read_dir(&dst).unwrap().filter_map(Result::ok) {
         let cache = cpu.path().join("cache");
         for index in std::fs::read_dir(&cache).into_iter().flatten().filter_map(Result::ok) {
@@ -94,6 +96,11 @@ fn another_cache_topology_moves_candles_matmul_but_not_ours() {
         "the control: gemm must see the fake cache sizes, or this test proves nothing"
     );
     assert_eq!(ours_here, ours_there, "our kernel's bits may not depend on the cache sizes");
+    // And ours did block differently there (a 128K L2 cuts the contraction).
+    let blocks =
+        |o: &Output| String::from_utf8_lossy(&o.stdout).lines().find(|l| l.starts_with("blocks ")).map(str::to_string);
+    let (b_here, b_there) = (blocks(&here).expect("a blocks line"), blocks(&there).expect("a blocks line"));
+    assert_ne!(b_here, b_there, "our blocks must follow the fake caches, or the equal digests prove nothing");
 }
 
 #[test]

@@ -16,4 +16,5 @@ mod lesson03;
 mod lesson04;
 mod machine;
 mod memory;
+mod overlap;
 mod setup;

@@ -14,7 +14,8 @@ fn ratios(out: &std::path::Path) -> Vec<f64> {
 /// ZeRO stage, fp32 and bf16, at 1, 2 and 4 ranks on the tiny preset, and
 /// with many small micro-batches (where the gradient sums weigh most), in a
 /// run of one step, and with several gradient sums per rank (`--sum-groups`,
-/// on one rank too).
+/// on one rank too), and with communication overlapped (buffers in flight on
+/// the stream: DDP's buckets, prefetched units, reduce-scatters in flight).
 /// Leaving out any buffer of 2% or more of the peak fails it.
 #[test]
 fn the_tally_explains_the_measured_peak() {
@@ -42,12 +43,26 @@ fn the_tally_explains_the_measured_peak() {
         ("step04-optimizer-state-shard", &["--stage", "1", "--sum-groups", "4"]),
         ("step04-optimizer-state-shard", &["--stage", "2", "--sum-groups", "4"]),
         ("step04-optimizer-state-shard", &["--stage", "3", "--sum-groups", "4"]),
+        // Overlapped: buffers in flight on the communication stream, and a trace's storage.
+        ("step01-data-parallel", &["--bucket-mb", "0.5"]),
+        ("step01-data-parallel", &["--bucket-mb", "1.2", "--precision", "bf16", "--sum-groups", "4"]),
+        ("step02-whole-model-shard", &["--bucket-mb", "0.5"]),
+        ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--trace", "target/test-out/mem-trace"]),
+        ("step04-optimizer-state-shard", &["--stage", "1", "--overlap-comm"]),
+        ("step04-optimizer-state-shard", &["--stage", "2", "--overlap-comm", "--sum-groups", "4"]),
+        ("step04-optimizer-state-shard", &["--stage", "3", "--prefetch"]),
+        ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--check"]),
     ];
     let mut failures = vec![];
     for (pkg, extra) in runs {
         for n in [1, 2, 4] {
-            // One step too: the kept buffers exist from the first step on.
-            for shape in [&["--steps", "1"][..], &["--steps", "2"], FAST] {
+            // One step too: the kept buffers exist from the first step on. (The overlapped
+            // runs take one step and the many small micro-batches: their buffers are the
+            // schedules' own, which the shape does not change.)
+            let overlapped = ["--bucket-mb", "--prefetch", "--overlap-comm"].iter().any(|f| extra.contains(f));
+            let shapes: &[&[&str]] =
+                if overlapped { &[&["--steps", "1"], FAST] } else { &[&["--steps", "1"], &["--steps", "2"], FAST] };
+            for &shape in shapes {
                 let mut args = shape.to_vec();
                 args.extend_from_slice(extra);
                 let name = format!("mem-{pkg}-{n}-{}-{}", shape.join(""), extra.join(""));

@@ -21,6 +21,7 @@ use fsdp_gpt::params::digest_f32;
 use fsdp_gpt::{AdamW, Precision};
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
 use fsdp_harness::{MemoryTally, Moment, Session, Start, exercise};
+use step01_data_parallel::{Buckets, backward_in_buckets};
 
 /// How the gradient is all-reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -46,6 +47,9 @@ pub struct DataParallel {
     precision: Precision,
     /// `--recompute`: activation checkpointing, block by block.
     recompute: bool,
+    /// `--bucket-mb`: the gradient all-reduced bucket by bucket on the
+    /// communication stream, during my last micro-batch's backward (DDP).
+    buckets: Option<Buckets>,
 }
 
 impl DataParallel {
@@ -55,9 +59,12 @@ impl DataParallel {
         reduce: Reduce,
         precision: Precision,
         recompute: bool,
+        bucket_bytes: Option<usize>,
     ) -> anyhow::Result<Self> {
         let numel = s.table.numel();
         let layout = ShardLayout::new(numel, s.world.size());
+        let (n, groups) = (s.world.size(), s.sum_groups.per_rank());
+        let buckets = bucket_bytes.map(|cap| Buckets::new(&s.table, s.cfg.n_layer, layout.padded, n, groups, cap));
         // The same seed (or checkpoint), the same bits, on every rank: kept whole.
         let (params, moments) = start.into_parts()?;
         let mut opt = AdamW::new(s.adamw, numel).with_no_decay(s.table.no_decay_in(0..numel));
@@ -67,11 +74,13 @@ impl DataParallel {
         Ok(Self {
             params,
             grads: s.grad_sum(layout.padded).preallocated(),
-            grad_shard: vec![0.0; layout.shard_len],
+            // the buckets have shards of their own
+            grad_shard: if buckets.is_some() { vec![] } else { vec![0.0; layout.shard_len] },
             opt,
             reduce,
             precision,
             recompute,
+            buckets,
         })
     }
 
@@ -79,34 +88,59 @@ impl DataParallel {
     /// tally counts as kept (not under `--accumulate`, which adds the group
     /// sums itself).
     pub fn reserve_buffers(&self, s: &Session) {
-        if self.reduce == Reduce::Ordered {
-            s.reserve_receive_buffer(self.grad_shard.len() * s.world.size());
+        match &self.buckets {
+            Some(b) => s.reserve_receive_buffer(b.largest(), true), // on the stream, for the largest bucket
+            None if self.reduce == Reduce::Ordered => {
+                s.reserve_receive_buffer(self.grad_shard.len() * s.world.size(), false)
+            }
+            None => {}
         }
+    }
+
+    /// The buckets under `--bucket-mb`.
+    pub fn buckets(&self) -> Option<&Buckets> {
+        self.buckets.as_ref()
     }
 
     // ANCHOR: step
     /// One optimizer step; returns the mean loss over the global batch.
     pub fn step(&mut self, s: &Session, step: u64) -> anyhow::Result<f32> {
-        let numel = s.table.numel();
+        let (w, numel) = (s.world, s.table.numel());
         // 1. forward/backward on my micro-batches, gradients summed in order (exercise 1.2)
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
         self.grads.reset();
         let mine = s.my_micro_batches();
-        let loss_sum = accumulate_micro_batches(s, &vars, step, mine, self.recompute, &mut self.grads)?;
+        // (With buckets my last micro-batch goes apart: its backward all-reduces as it goes.)
+        let (summed, last) = match self.buckets {
+            Some(_) => (mine.start..mine.end - 1, Some(mine.end - 1)),
+            None => (mine, None),
+        };
+        let mut loss_sum = w.traced(
+            || "forward+backward of my micro-batches".into(),
+            || accumulate_micro_batches(s, &vars, step, summed, self.recompute, &mut self.grads),
+        )?;
+        if let (Some(k), Some(b)) = (last, self.buckets.as_mut()) {
+            loss_sum += backward_in_buckets(s, &vars, step, k, self.recompute, &mut self.grads, b)? as f64;
+        }
         drop(vars);
 
         // 2. all-reduce: the sum over ranks (its reduce-scatter adds with `sum_received`), then the mean
-        let grads = match self.reduce {
-            Reduce::Ordered => s.world.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
-            Reduce::Native => s.world.all_reduce_native(&mut self.grads.sums()[0]),
+        let grads = match (self.buckets.as_mut(), self.reduce) {
+            (Some(b), _) => {
+                let sum = &mut self.grads.sums()[0];
+                b.wait_all(w, sum); // the buckets' all-reduces, handed to the stream in the backward
+                &mut sum[..]
+            }
+            (None, Reduce::Ordered) => w.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
+            (None, Reduce::Native) => w.all_reduce_native(&mut self.grads.sums()[0]),
         };
         let (m, grads) = (s.sampler.micro_batches, &mut grads[..numel]);
         scale(grads, m);
         s.clip_whole(grads); // --grad-clip: every rank holds the whole gradient
 
         // 3. update: the same AdamW step on every rank
-        self.opt.step(&mut self.params, grads);
-        Ok((s.world.sum_f64(&[loss_sum])[0] / m as f64) as f32)
+        w.traced(|| "AdamW update".into(), || self.opt.step(&mut self.params, grads));
+        Ok((w.sum_f64(&[loss_sum])[0] / m as f64) as f32)
     }
     // ANCHOR_END: step
 
@@ -158,26 +192,43 @@ impl DataParallel {
     /// model's compute copy and graph.
     pub fn tally(&self, s: &Session, simulated_ranks: Option<usize>) -> MemoryTally {
         let numel = s.table.numel();
-        let padded = self.grad_shard.len() * s.world.size();
+        let padded = ShardLayout::new(numel, s.world.size()).padded;
         let groups = s.sum_groups.per_rank();
         let mut t = MemoryTally::new();
         t.add("params (fp32)", numel, 4, "full copy on every rank")
             .add("AdamW m", numel, 4, "full")
             .add("AdamW v", numel, 4, "full")
-            .add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, &sums_note(s.sum_groups.buffers()))
-            .add("grad shard", self.grad_shard.len(), 4, "my 1/N inside the ordered all-reduce");
+            .add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, &sums_note(s.sum_groups.buffers()));
         let simulated = simulated_ranks.is_some(); // --accumulate: no all-to-all
-        if let Some(len) = s.receive_buffer_len(padded).filter(|_| self.reduce == Reduce::Ordered && !simulated) {
-            t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, kept");
+        match &self.buckets {
+            None => {
+                t.add("grad shard", self.grad_shard.len(), 4, "my 1/N inside the ordered all-reduce");
+                if let Some(len) = s.receive_buffer_len(padded).filter(|_| self.reduce == Reduce::Ordered && !simulated)
+                {
+                    t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, kept");
+                }
+            }
+            Some(b) => b.tally_rows(s, &mut t),
         }
         s.data_tally(&mut t);
         let (e, vars_note) = (self.precision.bytes(), "compute copy, rebuilt each step");
         let vars_row = format!("params as candle Vars ({})", self.precision);
         let add = "adding a micro-batch's gradients to the sum";
-        let mut moments = s.whole_model_moments(e, self.recompute, "a micro-batch", add, &mut |_, m| {
-            m.add(&vars_row, numel, e, vars_note);
-        });
-        if groups > 1 && !simulated {
+        // With buckets my last micro-batch runs block by block; the others (all, without) as a whole graph.
+        let whole = s.my_micro_batches().len() - usize::from(self.buckets.is_some());
+        let mut moments = match whole {
+            0 => vec![],
+            _ => s.whole_model_moments(e, self.recompute, "a micro-batch", add, &mut |_, m| {
+                m.add(&vars_row, numel, e, vars_note);
+            }),
+        };
+        if let Some(b) = &self.buckets {
+            // Each unit's gradient added to the sum as the unit is handed on.
+            moments.extend(b.last_micro_batch_moments(s, e, self.recompute, &mut |m| {
+                m.add(&vars_row, numel, e, vars_note);
+            }));
+        }
+        if groups > 1 && !simulated && self.buckets.is_none() {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * padded, 4, "group sums packed per destination");
             moments.push(m);

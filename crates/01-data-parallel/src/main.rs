@@ -47,6 +47,13 @@ struct Args {
     /// forward, the same bits).
     #[arg(long)]
     recompute: bool,
+    /// DDP's buckets: all-reduce the gradient in buckets of at least this
+    /// many MB (10⁶ bytes; DDP's bucket_cap_mb counts MiB, default 25) of
+    /// fp32 gradient, each handed to a communication thread as soon as my
+    /// last micro-batch's backward completes it, while the backward goes on.
+    /// The same bits.
+    #[arg(long, value_name = "MB", value_parser = fsdp_harness::cli::positive_mb)]
+    bucket_mb: Option<f64>,
     /// Compute precision: fp32, or bf16 (bf16 compute copy and gradients;
     /// fp32 master weights, gradient sums and AdamW state).
     #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<Precision>())]
@@ -91,6 +98,31 @@ fn main() -> ExitCode {
         );
         fsdp_harness::edge::agree(world, needs)?;
         let groups = s.sum_groups.per_rank();
+        let bucket_bytes = step01_data_parallel::buckets::cap_bytes(args.bucket_mb);
+        if bucket_bytes.is_some() {
+            let refuse = match (accumulate.is_some(), args.reduce) {
+                (true, _) => Err(anyhow::anyhow!(
+                    "--bucket-mb all-reduces between ranks while the backward runs: leave it out under --accumulate (one process)"
+                )),
+                (_, Reduce::Native) => Err(anyhow::anyhow!(
+                    "--bucket-mb all-reduces each bucket in the ordered way: leave out --reduce native"
+                )),
+                _ => Ok(()),
+            };
+            fsdp_harness::edge::agree(world, refuse)?;
+            let per_rank = s.my_micro_batches().len();
+            fsdp_harness::edge::agree(
+                world,
+                exercise::needs(
+                    1,
+                    2,
+                    per_rank > 1,
+                    "with --bucket-mb when a rank has 2 or more micro-batches (the last one goes to the buckets): pass --micro-batches 8",
+                ),
+            )?;
+            // DDP's buckets go to a communication thread of their own, on every rank.
+            s.start_stream()?;
+        }
         if args.reduce == Reduce::Native && accumulate.is_none() && groups > 1 {
             fsdp_harness::edge::agree(
                 world,
@@ -109,12 +141,14 @@ fn main() -> ExitCode {
         if let Some(n) = accumulate {
             extra.push(("accumulate", format!("{n} simulated ranks in one process")));
         }
-        s.print_config(&extra);
         // The reduce-scatter inside the ordered all-reduce adds what the
         // all-to-all delivered with exercise 1.1 (the answer's unless --mine 1).
         world.set_rank_sum(data_parallel::sum_received);
-
-        let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute)?;
+        let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute, bucket_bytes)?;
+        if let Some(b) = dp.buckets() {
+            extra.push(("DDP buckets", step01_data_parallel::buckets::describe(b, args.bucket_mb.unwrap_or(0.0))));
+        }
+        s.print_config(&extra);
         if accumulate.is_none() {
             dp.reserve_buffers(&s);
         }
@@ -141,7 +175,13 @@ fn main() -> ExitCode {
         let shard = 4 * s.table.numel().div_ceil(world.size()) as u64;
         let groups = s.sum_groups.per_rank() as u64; // sum groups of mine: that many reduce-scatters' bytes, one all-gather's
         let mut report = Report::new(&s, &run, dp.tally(&s, accumulate));
-        report.expect_traffic(Collective::AllReduce, (groups + 1) * (n - 1) * shard);
+        report.expect_traffic(
+            Collective::AllReduce,
+            dp.buckets().map_or((groups + 1) * (n - 1) * shard, |b| b.bytes_per_step()),
+        );
+        if let Some(b) = dp.buckets() {
+            report.json("buckets", step01_data_parallel::buckets::buckets_json(b));
+        }
         report.finish(Some(&dp.params))
     })
 }

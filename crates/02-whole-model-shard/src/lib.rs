@@ -7,7 +7,7 @@
 //! ```no_run
 //! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
 //! use step02_whole_model_shard::WholeModelShard;
-//! let mut fsdp = WholeModelShard::new(s, &start, false, false)?;
+//! let mut fsdp = WholeModelShard::new(s, &start, false, false, None)?;
 //! drop(start); // my shard is read
 //! let r = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! println!("loss {}", r.loss);

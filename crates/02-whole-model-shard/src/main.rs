@@ -40,6 +40,11 @@ struct Args {
     /// forward, the same bits).
     #[arg(long)]
     recompute: bool,
+    /// DDP's buckets for the gradient's all-reduce (lesson 01's --bucket-mb):
+    /// buckets of at least this many MB of fp32 gradient, each all-reduced on
+    /// a communication thread while my last micro-batch's backward goes on.
+    #[arg(long, value_name = "MB", value_parser = fsdp_harness::cli::positive_mb)]
+    bucket_mb: Option<f64>,
     /// Exercise 2.2's check: plant a known fault in the replicated reference
     /// (the last parameter, in the last rank's shard, moved by 2⁻¹⁰ after
     /// step 2 and made NaN after step 3), so that --check must report it.
@@ -60,12 +65,20 @@ fn main() -> ExitCode {
             _ => Ok(()),
         };
         fsdp_harness::edge::agree(world, needs.and(probe))?;
-        s.print_config(&[
+        let bucket_bytes = step01_data_parallel::buckets::cap_bytes(args.bucket_mb);
+        if bucket_bytes.is_some() {
+            // DDP's buckets go to a communication thread of their own, on every rank.
+            s.start_stream()?;
+        }
+        let mut fsdp = WholeModelShard::new(&s, &start, check, args.recompute, bucket_bytes)?;
+        let mut rows = vec![
             ("check against replicated", if check { "every step".into() } else { "off (--no-check)".into() }),
             ("activations", recompute_note(args.recompute)),
-        ]);
-
-        let mut fsdp = WholeModelShard::new(&s, &start, check, args.recompute)?;
+        ];
+        if let Some(b) = fsdp.buckets() {
+            rows.push(("DDP buckets", step01_data_parallel::buckets::describe(b, args.bucket_mb.unwrap_or(0.0))));
+        }
+        s.print_config(&rows);
         fsdp.probe = args.check_probe;
         drop(start); // my shard is read: the start's source goes
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
@@ -111,7 +124,10 @@ fn main() -> ExitCode {
             .traffic(training_traffic)
             .table(t.render())
             .expect_traffic(Collective::AllGather, (nn - 1) * shard)
-            .expect_traffic(Collective::AllReduce, (groups + 1) * (nn - 1) * shard)
+            .expect_traffic(
+                Collective::AllReduce,
+                fsdp.buckets().map_or((groups + 1) * (nn - 1) * shard, |b| b.bytes_per_step()),
+            )
             .json("max_divergence", serde_json::json!(if check { Some(max_div) } else { None }))
             .json("divergence", serde_json::json!(divergence))
             .json("reference_losses", serde_json::json!(ref_losses))

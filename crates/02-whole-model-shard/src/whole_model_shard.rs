@@ -17,6 +17,7 @@ use fsdp_comm::{MicroBatchSum, ShardLayout, World};
 use fsdp_gpt::AdamW;
 use fsdp_harness::checkpoint::ShardPiece;
 use fsdp_harness::{MemoryTally, MemoryTimeline, Moment, Session, Start, exercise};
+use step01_data_parallel::{Buckets, backward_in_buckets};
 
 /// One rank's share of the training state.
 pub struct WholeModelShard {
@@ -37,6 +38,9 @@ pub struct WholeModelShard {
     recompute: bool,
     /// `--check-probe`: a known fault planted in the reference ([`plant_fault`]).
     pub probe: bool,
+    /// `--bucket-mb`: the all-reduce in buckets during my last micro-batch's
+    /// backward, on the communication stream (lesson 01's DDP buckets).
+    buckets: Option<Buckets>,
 }
 
 /// The replicated reference of `--check`.
@@ -55,7 +59,14 @@ pub struct StepResult {
 }
 
 impl WholeModelShard {
-    pub fn new(s: &Session, start: &Start, check: bool, recompute: bool) -> anyhow::Result<Self> {
+    /// `bucket_bytes`: `--bucket-mb`, in bytes (the stream must be started).
+    pub fn new(
+        s: &Session,
+        start: &Start,
+        check: bool,
+        recompute: bool,
+        bucket_bytes: Option<usize>,
+    ) -> anyhow::Result<Self> {
         let (rank, n) = (s.world.rank(), s.world.size());
         let layout = ShardLayout::new(s.table.numel(), n);
         // My slice of the initial weights (or of the checkpoint's), and
@@ -86,17 +97,23 @@ impl WholeModelShard {
                 Some(Reference { params: start.weights(all)?, opt })
             }
         };
-        s.reserve_receive_buffer(layout.padded);
+        let groups = s.sum_groups.per_rank();
+        let buckets = bucket_bytes.map(|cap| Buckets::new(&s.table, s.cfg.n_layer, layout.padded, n, groups, cap));
+        match &buckets {
+            Some(b) => s.reserve_receive_buffer(b.largest(), true), // on the stream, the largest bucket
+            None => s.reserve_receive_buffer(layout.padded, false),
+        }
         Ok(Self {
             layout,
             master,
             opt,
             gathered: vec![0.0; layout.padded],
             grads: s.grad_sum(layout.padded).preallocated(),
-            grad_shard: vec![0.0; layout.shard_len],
+            grad_shard: if buckets.is_some() { vec![] } else { vec![0.0; layout.shard_len] }, // buckets have their own
             reference,
             recompute,
             probe: false,
+            buckets,
         })
     }
 
@@ -110,27 +127,45 @@ impl WholeModelShard {
         let all: Vec<usize> = (0..vars.len()).collect();
         tl.mark("all-gather the whole model");
 
-        // 2. forward/backward on my micro-batches
+        // 2. forward/backward on my micro-batches (with --bucket-mb, the last in buckets)
         self.grads.reset();
         let mut loss_sum = 0.0;
-        for k in s.my_micro_batches() {
-            let (loss, grads) = s.forward_backward(&vars, step, k, self.recompute)?;
-            self.grads.add(|sum| grads.add_to(&all, &vars, &mut sum[..numel]))?;
-            loss_sum += loss as f64;
+        let mine = s.my_micro_batches();
+        for k in mine.clone() {
+            if let Some(b) = self.buckets.as_mut().filter(|_| k + 1 == mine.end) {
+                loss_sum += backward_in_buckets(s, &vars, step, k, self.recompute, &mut self.grads, b)? as f64;
+            } else {
+                let (loss, grads) = w.traced(
+                    || format!("forward+backward, micro-batch {k}"),
+                    || s.forward_backward(&vars, step, k, self.recompute),
+                )?;
+                self.grads.add(|sum| grads.add_to(&all, &vars, &mut sum[..numel]))?;
+                loss_sum += loss as f64;
+            }
             tl.mark(format!("forward+backward, micro-batch {k}"));
         }
         drop(vars); // the full copy is not needed again this step
         tl.mark("drop the full copy");
 
         // 3. all-reduce: the sum over ranks, then the mean
-        let grads = w.all_reduce_sum(&mut self.grads, &mut self.grad_shard);
+        let grads = match self.buckets.as_mut() {
+            Some(b) => {
+                let sum = &mut self.grads.sums()[0];
+                b.wait_all(w, sum); // the buckets' all-reduces, handed to the stream in the backward
+                &mut sum[..]
+            }
+            None => w.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
+        };
         let inv = 1.0 / s.sampler.micro_batches as f32;
         grads.iter_mut().for_each(|g| *g *= inv);
         s.clip_whole(&mut grads[..numel]); // --grad-clip: the all-reduce left the whole gradient here
         tl.mark("all-reduce the gradient");
 
         // 4. update: AdamW on my shard only (exercise 2.1)
-        exercise!(2, 1, update_my_shard(&mut self.opt, &mut self.master, grads, self.layout, w.rank()));
+        w.traced(
+            || "AdamW update".into(),
+            || exercise!(2, 1, update_my_shard(&mut self.opt, &mut self.master, grads, self.layout, w.rank())),
+        );
         tl.mark("AdamW on my shard");
         // ANCHOR_END: step
 
@@ -149,6 +184,11 @@ impl WholeModelShard {
             }
         };
         Ok(StepResult { loss, reference_loss, divergence })
+    }
+
+    /// The buckets under `--bucket-mb`.
+    pub fn buckets(&self) -> Option<&Buckets> {
+        self.buckets.as_ref()
     }
 
     /// The full weights, gathered (every rank calls; all get them).
@@ -180,18 +220,33 @@ impl WholeModelShard {
             .add("AdamW m shard", l.shard_len, 4, &share)
             .add("AdamW v shard", l.shard_len, 4, &share)
             .add("gathered full params", l.padded, 4, "all-gather output, full copy, kept")
-            .add("grad sums (fp32)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced")
-            .add("grad shard", l.shard_len, 4, "my 1/N inside the ordered all-reduce");
-        if let Some(len) = s.receive_buffer_len(l.padded) {
-            t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, kept");
+            .add("grad sums (fp32)", s.sum_groups.buffers() * l.padded, 4, "full, all-reduced");
+        match &self.buckets {
+            None => {
+                t.add("grad shard", l.shard_len, 4, "my 1/N inside the ordered all-reduce");
+                if let Some(len) = s.receive_buffer_len(l.padded) {
+                    t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, kept");
+                }
+            }
+            Some(b) => b.tally_rows(s, &mut t),
         }
         s.data_tally(&mut t);
         let vars_note = "compute copy, full";
         let add = "adding a micro-batch's gradients to the sum";
-        let mut moments = s.whole_model_moments(4, self.recompute, "a micro-batch", add, &mut |_, m| {
-            m.add("params as candle Vars", numel, 4, vars_note);
-        });
-        if groups > 1 {
+        // With buckets my last micro-batch runs block by block; the others (all, without) as a whole graph.
+        let whole = s.my_micro_batches().len() - usize::from(self.buckets.is_some());
+        let mut moments = match whole {
+            0 => vec![],
+            _ => s.whole_model_moments(4, self.recompute, "a micro-batch", add, &mut |_, m| {
+                m.add("params as candle Vars", numel, 4, vars_note);
+            }),
+        };
+        if let Some(b) = &self.buckets {
+            moments.extend(b.last_micro_batch_moments(s, 4, self.recompute, &mut |m| {
+                m.add("params as candle Vars", numel, 4, vars_note);
+            }));
+        }
+        if groups > 1 && self.buckets.is_none() {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * l.padded, 4, "group sums packed per destination");
             moments.push(m);

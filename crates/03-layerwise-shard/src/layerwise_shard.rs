@@ -32,7 +32,7 @@ use fsdp_gpt::model::{add_into, loss as cross_entropy};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_harness::{MemoryTimeline, Session, exercise};
 
-use crate::units::FsdpUnit;
+use crate::units::{FsdpUnit, Unsharding, one_in_flight};
 
 /// One entry of the schedule: what is done with which unit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,7 +172,10 @@ struct Carry {
 /// One rank's share of the training state: every unit, sharded.
 pub struct LayerwiseShard {
     pub units: Vec<FsdpUnit>,
-    /// Gather the next unit while computing this one (MPI's non-blocking all-gather).
+    /// FSDP2's overlap (`--prefetch`, with the world's communication stream
+    /// started): each unit's all-gather handed to the stream while the unit
+    /// before it computes, forward and backward, and each reduce-scatter
+    /// handed to it while the next unit's backward runs.
     pub prefetch: bool,
     /// What waits for the tied `wte`'s embedding part.
     pub head_grad: HeadGrad,
@@ -194,15 +197,19 @@ impl LayerwiseShard {
             loss_sum: 0.0,
         };
         let plan = schedule(self.units.len() - 1, self.head_grad);
-        let mut prefetched: Option<Tensor> = None;
+        // --prefetch: the next entry's unit, being gathered on the stream (at
+        // most two units unsharded: this entry's and the next one's) …
+        let mut ahead: Option<Unsharding> = None;
+        // … and the last unit whose reduce-scatter went to the stream.
+        let mut reducing: Option<usize> = None;
         for (at, &phase) in plan.iter().enumerate() {
             let unit = &self.units[phase.unit()];
-            // 1. all-gather the unit (unless prefetched) into candle tensors
+            // 1. unshard: the gather issued ahead, or an all-gather now
             let params = match phase.needs_weights() {
                 false => vec![],
                 true => {
-                    let gathered = match prefetched.take() {
-                        Some(t) => t,
+                    let gathered = match ahead.take() {
+                        Some(p) => p.wait(w)?,
                         None => unit.unshard(w)?,
                     };
                     let params = s.model.vars_from_tensor(&s.table, unit.params(), &gathered)?;
@@ -211,29 +218,31 @@ impl LayerwiseShard {
                     params
                 }
             };
+            // 2. prefetch: hand the next unit's all-gather to the stream, then compute this one
+            if self.prefetch {
+                let next = plan.get(at + 1).filter(|p| p.needs_weights()).map(|p| &self.units[p.unit()]);
+                ahead = next.filter(|u| u.gathers()).map(|u| u.unshard_async(w)).transpose()?;
+            }
+            let label = || format!("{} {}", phase.label(), unit.name());
+            let grad_sum = w.traced(label, || run_phase(s, phase, unit, &params, &mut c))?;
+            tl.mark(label());
 
-            // 2. compute — with the next unit's all-gather in flight under --prefetch
-            let next = plan.get(at + 1).filter(|p| p.needs_weights()).map(|p| &self.units[p.unit()]);
-            let (grad_sum, next_gathered) = match next.filter(|u| self.prefetch && u.gathers()) {
-                Some(next) => {
-                    let (r, t) = next.gather_while(w, true, || run_phase(s, phase, unit, &params, &mut c))?;
-                    (r, Some(t))
-                }
-                None => (run_phase(s, phase, unit, &params, &mut c), None),
-            };
-            prefetched = next_gathered;
-            tl.mark(format!("{} {}", phase.label(), unit.name()));
-
-            // 3. free the unit; after its backward, reduce-scatter its gradient
+            // 3. reshard (free the unit); after its backward, reduce-scatter its
+            // gradient (under --prefetch on the stream, one unit's at a time)
             drop(params);
-            if let Some(mut grads) = grad_sum? {
-                self.units[phase.unit()].reduce_scatter(w, &mut grads);
-                tl.mark(format!("reduce-scatter {}, free it", self.units[phase.unit()].name()));
+            if let Some(mut grads) = grad_sum {
+                let u = phase.unit();
+                one_in_flight(&mut self.units, &mut reducing, u, w);
+                self.units[u].reduce_scatter(w, &mut grads);
+                tl.mark(format!("reduce-scatter {}, free it", self.units[u].name()));
             }
         }
         // 4. update: AdamW on my shard of every unit, with the mean gradient
         // (clipped by its global norm under --grad-clip)
-        crate::units::update_all(&mut self.units, s, 1.0 / s.sampler.micro_batches as f32)?;
+        w.traced(
+            || "AdamW update".into(),
+            || crate::units::update_all(&mut self.units, s, 1.0 / s.sampler.micro_batches as f32),
+        )?;
         tl.mark("AdamW on my shards");
         Ok((w.sum_f64(&[c.loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
     }

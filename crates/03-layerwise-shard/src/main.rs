@@ -70,15 +70,23 @@ fn main() -> ExitCode {
                 _ => Ok(()),
             },
         )?;
+        if args.prefetch {
+            // FSDP2's streams: a communication thread of its own, started on every rank together.
+            s.start_stream()?;
+        }
         // My shard of every unit, cut from the seed's weights (or the checkpoint's).
-        let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, UnitPolicy::default())?;
+        let policy = UnitPolicy { overlap: args.prefetch, ..UnitPolicy::default() };
+        let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, policy)?;
         let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
         let head_grad = args.head_grad.unwrap_or_else(|| lower_peak(&s, &units, args.prefetch));
         s.print_config(&[
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
             (
                 "prefetch",
-                if args.prefetch { "on: next unit's all-gather overlaps compute".into() } else { "off".into() },
+                match args.prefetch {
+                    true => "on: the next unit gathered, the last reduce-scattered on the communication stream".into(),
+                    false => "off".into(),
+                },
             ),
             ("tied wte's gradient", head_grad.describe(s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size)),
             (
@@ -87,9 +95,9 @@ fn main() -> ExitCode {
             ),
         ]);
 
-        s.reserve_receive_buffer(largest_padded(&units));
+        s.reserve_receive_buffer(largest_padded(&units), args.prefetch); // on the stream's thread under --prefetch
         let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch, head_grad };
-        let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true)).transpose()?; // recomputing, as this lesson does
+        let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true, None)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes
         let mut timeline = MemoryTimeline::off();
         let mut divergence = vec![];
@@ -167,7 +175,7 @@ fn main() -> ExitCode {
         // The memory timeline: one step of lesson 02 on the same model and
         // batch, recomputing as lesson 03 does: the difference is the sharding.
         if !args.no_plot {
-            let mut whole = WholeModelShard::new(&s, &s.seed_start(), false, true)?; // the same activation policy
+            let mut whole = WholeModelShard::new(&s, &s.seed_start(), false, true, None)?; // the same activation policy
             let mut whole_timeline = MemoryTimeline::off();
             whole_timeline.record(true);
             whole.step(&s, s.first_step, &mut whole_timeline)?;

@@ -68,6 +68,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             "per micro-batch, until the root's gradient is summed",
         );
     };
+    // --prefetch: the next entry's all-gather in flight on the stream, its
+    // output and my shard copied in (both freed when it is waited for) …
     let prefetched = |m: &mut Moment, next: Option<&FsdpUnit>| {
         if let Some(u) = next.filter(|u| prefetch && u.gathers()) {
             m.add(
@@ -75,6 +77,24 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
                 u.layout().padded,
                 e,
                 "--prefetch: its all-gather in flight",
+            )
+            .add(
+                &format!("my shard of it, copied in ({dt})"),
+                u.layout().shard_len,
+                e,
+                "the all-gather's input",
+            );
+        }
+    };
+    // … and the unit above's reduce-scatter, handed to the stream after its
+    // backward and waited for once this unit's backward is done.
+    let reducing = |m: &mut Moment, above: Option<&FsdpUnit>| {
+        if let Some(u) = above.filter(|_| prefetch) {
+            m.add(
+                &format!("{}'s grad sums, reduce-scatter in flight (fp32)", u.name()),
+                s.sum_groups.per_rank() * u.layout().padded,
+                4,
+                "--prefetch: sent from the stream while this unit computes",
             );
         }
     };
@@ -148,6 +168,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             let f = shapes.blocks_recomputed(unit.blocks(), (b, t));
             pass_rows(&mut m, &f, "the unit's recomputed graph");
             prefetched(&mut m, next_after(u));
+            reducing(&mut m, units.get(u + 1));
             moments.push(m);
             // Then its gradient is added to the unit's sum, the graph still alive.
             let mut m = Moment::new(format!("adding {}'s gradient of micro-batch {k}", unit.name()));
@@ -170,6 +191,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             .add("candle's GradStore", f.grad_store, 1, "the unit's gradients and its input's");
             widen_row(&mut m, e, largest_tensor(unit));
             prefetched(&mut m, next_after(u));
+            reducing(&mut m, units.get(u + 1));
             moments.push(m);
             if k + 1 == mine {
                 moments.extend(send_moment(unit, next_after(u), (u - 1) * mine * btc, mine)); // its own inputs gone
@@ -184,6 +206,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             m.add(&format!("the head's input as a Var ({dt})"), btc, e, "a copy, as in the head entry");
             ids(&mut m);
             pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph, again");
+            reducing(&mut m, units.get(1));
             moments.push(m);
         }
         // The embedding's backward: no weights, the tied wte completed.
@@ -196,6 +219,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         ids(&mut m);
         let f = shapes.embedding_backward((b, t));
         pass_rows(&mut m, &f, "the embedding's graph");
+        reducing(&mut m, units.get(1));
         moments.push(m);
         let mut m = Moment::new(format!("adding the root's gradient of micro-batch {k}"));
         carried(&mut m, mine);
@@ -206,6 +230,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             .add("candle's GradStore", f.grad_store, 1, "the rows' and wpe's gradients");
         widen_row(&mut m, e, v * c);
         ids(&mut m);
+        reducing(&mut m, units.get(1));
         moments.push(m);
         if k + 1 == mine {
             moments.extend(send_moment(&units[0], None, 0, mine));

@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{MicroBatchSum, ShardLayout, World};
+use fsdp_comm::{MicroBatchSum, Pending, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
@@ -53,11 +53,35 @@ pub struct UnitPolicy {
     /// Under a bf16 `param_dtype`: how a rank's fp32 shard becomes the bf16
     /// bits it sends (round to nearest even; lesson 04 passes its exercise 4.2).
     pub bf16_wire: fn(&[f32]) -> Vec<u16>,
+    /// Reduce-scatter on the world's communication stream (FSDP2 does, on a
+    /// stream of its own; the lessons under their overlap flags), the call
+    /// returning at once; else a blocking reduce-scatter.
+    pub overlap: bool,
 }
 
 impl Default for UnitPolicy {
     fn default() -> Self {
-        Self { reshard_after_forward: true, param_dtype: DType::F32, bf16_wire: bf16_bits }
+        Self { reshard_after_forward: true, param_dtype: DType::F32, bf16_wire: bf16_bits, overlap: false }
+    }
+}
+
+/// A unit's all-gather in flight on the communication stream.
+pub enum Unsharding {
+    F32(Pending<Vec<f32>>),
+    Bf16(Pending<Vec<u16>>),
+}
+
+impl Unsharding {
+    /// Waits for the gather: the whole unit, as [`FsdpUnit::unshard`] gives it.
+    pub fn wait(self, w: &World) -> candle_core::Result<Tensor> {
+        match self {
+            Unsharding::F32(p) => {
+                let full = p.wait(w);
+                let n = full.len();
+                Tensor::from_vec(full, n, &Device::Cpu)
+            }
+            Unsharding::Bf16(p) => bf16_tensor(p.wait(w)),
+        }
     }
 }
 
@@ -73,8 +97,11 @@ pub struct FsdpUnit {
     layout: ShardLayout,
     /// My shard of the unit's fp32 weights (padding included).
     master: Vec<f32>,
-    /// My shard of the unit's gradient, after the reduce-scatter.
+    /// My shard of the unit's gradient, after the reduce-scatter …
     grad: Vec<f32>,
+    /// … or, while the reduce-scatter is in flight on the stream, where it
+    /// will come from (the shard's buffer travels with it).
+    reducing: Option<Pending<Vec<f32>>>,
     /// AdamW on my shard only: `m` and `v` are 1/N of the unit each.
     opt: AdamW,
     policy: UnitPolicy,
@@ -117,7 +144,8 @@ impl FsdpUnit {
         if let Some(r) = start.moments(&mine)? {
             (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
         }
-        let mut unit = Self { name, params, ranges, blocks, layout, master, grad, opt, policy, unsharded: None };
+        let mut unit =
+            Self { name, params, ranges, blocks, layout, master, grad, reducing: None, opt, policy, unsharded: None };
         if !policy.reshard_after_forward {
             unit.unsharded = Some(unit.gather(world)?);
         }
@@ -172,49 +200,40 @@ impl FsdpUnit {
         }
     }
 
+    // ANCHOR: gather
     /// **all-gather** of the compute copy: every rank rounds its fp32 shard
     /// to the param dtype and sends that (2 bytes per element under bf16,
     /// half of fp32's). The result is freshly allocated; drop it to free it.
     fn gather(&self, w: &World) -> candle_core::Result<Tensor> {
-        Ok(self.gather_while(w, false, || ())?.1)
-    }
-
-    // ANCHOR: gather
-    /// The same all-gather, overlapped with `work` when `overlap` is set
-    /// (MPI's non-blocking all-gather; see `World::all_gather_overlapped`).
-    pub fn gather_while<R>(
-        &self,
-        w: &World,
-        overlap: bool,
-        work: impl FnOnce() -> R,
-    ) -> candle_core::Result<(R, Tensor)> {
         let n = self.layout.padded;
-        fn run<T: fsdp_comm::Equivalence + Copy, R>(
-            w: &World,
-            overlap: bool,
-            mine: &[T],
-            all: &mut [T],
-            work: impl FnOnce() -> R,
-        ) -> R {
-            if overlap {
-                w.all_gather_overlapped(mine, all, work)
-            } else {
-                w.all_gather(mine, all);
-                work()
-            }
-        }
         match self.policy.param_dtype {
             DType::F32 => {
                 let mut full = vec![0.0f32; n];
-                let r = run(w, overlap, &self.master, &mut full, work);
-                Ok((r, Tensor::from_vec(full, n, &Device::Cpu)?))
+                w.all_gather(&self.master, &mut full);
+                Tensor::from_vec(full, n, &Device::Cpu)
             }
             DType::BF16 => {
                 // bf16: the bits of each rounded fp32 element travel as u16.
                 let mut full = vec![0u16; n];
-                let r = run(w, overlap, &(self.policy.bf16_wire)(&self.master), &mut full, work);
-                Ok((r, bf16_tensor(full)?))
+                w.all_gather(&(self.policy.bf16_wire)(&self.master), &mut full);
+                bf16_tensor(full)
             }
+            other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
+        }
+    }
+
+    /// The same all-gather, handed to the communication stream: FSDP2's
+    /// unshard issued ahead (prefetch). My shard is copied in (rounded to
+    /// bf16 under a bf16 `param_dtype`), as FSDP2 copies into its
+    /// all-gather input; [`Unsharding::wait`] gives the unit.
+    pub fn unshard_async(&self, w: &World) -> candle_core::Result<Unsharding> {
+        let n = self.layout.padded;
+        let label = || format!("all_gather {}", self.name);
+        match self.policy.param_dtype {
+            DType::F32 => Ok(Unsharding::F32(w.all_gather_async(self.master.clone(), vec![0.0; n]).label(w, label))),
+            DType::BF16 => Ok(Unsharding::Bf16(
+                w.all_gather_async((self.policy.bf16_wire)(&self.master), vec![0; n]).label(w, label),
+            )),
             other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
         }
     }
@@ -229,14 +248,33 @@ impl FsdpUnit {
 
     /// **reduce-scatter** the unit's gradient sum over my micro-batches
     /// (padded, whole unit): I keep my shard of the sum over all ranks.
+    /// Under [`UnitPolicy::overlap`] the sum is handed to the communication
+    /// stream and the call returns at once — FSDP2 reduce-scatters on a
+    /// stream of its own — and [`FsdpUnit::wait_grad`] takes the shard when
+    /// it is needed; `grads` is left empty.
     pub fn reduce_scatter(&mut self, w: &World, grads: &mut MicroBatchSum) {
-        w.reduce_scatter_sum(grads, &mut self.grad);
+        if !self.policy.overlap {
+            return w.reduce_scatter_sum(grads, &mut self.grad);
+        }
+        self.wait_grad(w); // a unit has one reduce-scatter in flight at most
+        let shard = std::mem::take(&mut self.grad); // its buffer travels with the sums
+        let name = &self.name;
+        self.reducing = Some(w.reduce_scatter_sum_async(grads, shard).label(w, || format!("reduce_scatter {name}")));
+    }
+
+    /// Waits for the unit's reduce-scatter in flight, if any: afterwards its
+    /// gradient shard is here.
+    pub fn wait_grad(&mut self, w: &World) {
+        if let Some(p) = self.reducing.take() {
+            self.grad = p.wait(w);
+        }
     }
 
     /// AdamW on my shard, with the gradient scaled by `f` (the mean's 1/M
     /// already applied: [`update_all`]); a kept unsharded copy is then
     /// refreshed by an all-gather of the new weights.
     pub fn update(&mut self, w: &World, f: Option<f32>) -> candle_core::Result<()> {
+        self.wait_grad(w);
         if let Some(f) = f {
             self.grad.iter_mut().for_each(|g| *g *= f);
         }
@@ -263,6 +301,16 @@ impl FsdpUnit {
         for (&i, r) in self.params.iter().zip(&self.ranges) {
             model[table.specs[i].range()].copy_from_slice(&gathered[r.clone()]);
         }
+    }
+}
+
+/// Unit `u`'s reduce-scatter is next: the one in flight before it
+/// (`reducing`, the unit it was) is waited for first, so that one is in
+/// flight at a time — what the tally's one "reducing" row counts. Without
+/// overlap nothing is ever in flight and this only notes `u`.
+pub fn one_in_flight(units: &mut [FsdpUnit], reducing: &mut Option<usize>, u: usize, w: &World) {
+    if let Some(previous) = reducing.replace(u).filter(|&p| p != u) {
+        units[previous].wait_grad(w);
     }
 }
 
@@ -323,6 +371,7 @@ pub fn build_units(
 /// exact sum gathered from the ranks), then AdamW on each shard.
 pub fn update_all(units: &mut [FsdpUnit], s: &Session, inv: f32) -> candle_core::Result<()> {
     for u in units.iter_mut() {
+        u.wait_grad(s.world); // the last reduce-scatters in flight
         u.grad.iter_mut().for_each(|g| *g *= inv);
     }
     let f = match s.args.grad_clip {

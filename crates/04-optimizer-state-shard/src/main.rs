@@ -40,9 +40,16 @@ struct Args {
     /// gradient sums and AdamW state) or fp32.
     #[arg(long, default_value = "bf16", value_parser = |s: &str| s.parse::<Precision>())]
     precision: Precision,
-    /// Stage 3: start the next unit's all-gather while computing this one.
+    /// Stage 3: FSDP2's overlap (lesson 03's --prefetch): a communication
+    /// thread gathers the next unit while this one computes, forward and
+    /// backward, and reduce-scatters each unit while the next unit's backward runs.
     #[arg(long)]
     prefetch: bool,
+    /// Stages 1 and 2: DeepSpeed's overlap_comm — a communication thread
+    /// reduce-scatters each unit's gradient as soon as my last micro-batch's
+    /// backward completes it, while the blocks below still compute.
+    #[arg(long)]
+    overlap_comm: bool,
     /// Stage 3: where the tied wte's lm_head gradient waits for its
     /// embedding part: keep it, (V, C) per micro-batch, or recompute the
     /// head at the end from its input, (B, T, C). Default: whichever gives
@@ -74,9 +81,20 @@ fn main() -> ExitCode {
                     "--head-grad {} applies to stage 3 (lesson 03's schedule): leave it out at --stage {stage}",
                     h.name()
                 )),
+                _ if args.prefetch && args.stage < 3 => Err(anyhow::anyhow!(
+                    "--prefetch applies to stage 3 (lesson 03's schedule): at --stage {} the reduce-scatter overlaps the backward with --overlap-comm",
+                    args.stage
+                )),
+                _ if args.overlap_comm && args.stage == 3 => Err(anyhow::anyhow!(
+                    "--overlap-comm applies to stages 1 and 2: at --stage 3 pass --prefetch (FSDP2's overlap, lesson 03's)"
+                )),
                 _ => Ok(()),
             },
         )?;
+        if args.prefetch || args.overlap_comm {
+            // FSDP2's streams, DeepSpeed's overlap_comm: a communication thread of its own, on every rank.
+            s.start_stream()?;
+        }
         let needs = exercise::needs(4, 1, args.stage == 2, "at --stage 2 (ZeRO-2's hand-off)").and_then(|()| {
             exercise::needs(4, 2, args.precision == Precision::Bf16, "under --precision bf16 (the bf16 gathers)")
         });
@@ -86,19 +104,25 @@ fn main() -> ExitCode {
             start,
             args.stage,
             args.precision,
-            args.prefetch,
+            args.prefetch || args.overlap_comm, // each refused where it does not apply
             args.recompute,
             args.head_grad,
         )?;
         let head_grad = zero.fsdp.head_grad;
-        s.print_config(&[
+        let mut rows = vec![
             ("ZeRO stage", STAGES[args.stage as usize - 1].to_string()),
             (
                 "precision",
                 format!("{}: compute copy and grads; fp32 master, gradient sums, AdamW m and v", args.precision),
             ),
             ("gradient reduce dtype", "fp32, summed as a fixed pairwise tree".to_string()),
-            ("prefetch", if args.prefetch && args.stage == 3 { "on".into() } else { "off".into() }),
+            (
+                "prefetch",
+                match args.prefetch {
+                    true => "on: the next unit gathered, the last reduce-scattered on the communication stream".into(),
+                    false => "off".into(),
+                },
+            ),
             (
                 "tied wte's gradient",
                 match args.stage {
@@ -115,7 +139,14 @@ fn main() -> ExitCode {
                     _ => recompute_note(args.recompute),
                 },
             ),
-        ]);
+        ];
+        if args.overlap_comm {
+            rows.push((
+                "overlap-comm",
+                "on: each unit reduce-scattered on the communication stream in backward".into(),
+            ));
+        }
+        s.print_config(&rows);
 
         world.reset_traffic(); // stages 1–2 gathered their resident copies: setup, not a step
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
@@ -157,8 +188,8 @@ fn main() -> ExitCode {
             _ => sent(args.precision.bytes()),
         };
         let memory = match args.stage {
-            1 => stage1_tally(&s, units, args.recompute),
-            2 => stage2_tally(&s, units, args.recompute),
+            1 => stage1_tally(&s, units, args.recompute, zero.overlap_comm),
+            2 => stage2_tally(&s, units, args.recompute, zero.overlap_comm),
             _ => step03_layerwise_shard::tally::tally(&s, units, zero.fsdp.prefetch, head_grad), // lesson 03's schedule
         };
         let mut report = Report::new(&s, &run, memory);

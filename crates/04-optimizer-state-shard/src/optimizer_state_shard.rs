@@ -25,7 +25,7 @@ use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
 use step03_layerwise_shard::tally::lower_peak;
-use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, largest_padded, update_all};
+use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, largest_padded, one_in_flight, update_all};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 /// One rank's share of the training state at ZeRO stage `stage`.
@@ -33,6 +33,11 @@ pub struct OptimizerStateShard {
     pub stage: u8,
     /// `--recompute` (stages 1 and 2; stage 3 always recomputes).
     pub recompute: bool,
+    /// `--overlap-comm` (stages 1 and 2, DeepSpeed's `overlap_comm`): each
+    /// unit's reduce-scatter handed to the communication stream as soon as
+    /// my last micro-batch's backward completes its sum, while the blocks
+    /// below still compute. (Stage 3 overlaps with lesson 03's `--prefetch`.)
+    pub overlap_comm: bool,
     /// The units (one per block, and the root) and lesson 03's schedule over them.
     pub fsdp: LayerwiseShard,
 }
@@ -44,30 +49,33 @@ impl OptimizerStateShard {
         start: Start,
         stage: u8,
         precision: Precision,
-        prefetch: bool,
+        overlap: bool,
         recompute: bool,
         head_grad: Option<HeadGrad>,
     ) -> anyhow::Result<Self> {
+        // `overlap`: FSDP2's at stage 3 (`--prefetch`), DeepSpeed's `overlap_comm` at 1 and 2.
+        let (prefetch, overlap_comm) = (overlap && stage == 3, overlap && stage < 3);
         // Stages 1 and 2 keep each unit's compute copy unsharded from step to
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
         // bf16 travels as each element's rounded bits (exercise 4.2).
-        let policy = UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype(), bf16_wire };
+        let policy =
+            UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype(), bf16_wire, overlap };
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are read: the start's source goes
-        s.reserve_receive_buffer(largest_padded(&units));
+        s.reserve_receive_buffer(largest_padded(&units), overlap); // on the stream's thread when it reduces
         // Stage 3 runs lesson 03's schedule: what waits for the tied wte (lesson 03's default).
         let head_grad = match stage {
             3 => head_grad.unwrap_or_else(|| lower_peak(s, &units, prefetch)),
             _ => HeadGrad::Keep, // unused: stages 1 and 2 run their own schedules
         };
-        Ok(Self { stage, recompute, fsdp: LayerwiseShard { units, prefetch: prefetch && stage == 3, head_grad } })
+        Ok(Self { stage, recompute, overlap_comm, fsdp: LayerwiseShard { units, prefetch, head_grad } })
     }
     // ANCHOR_END: new
 
     /// One training step; returns the mean loss over the global batch.
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
         match self.stage {
-            1 => whole_model_step(&mut self.fsdp.units, s, step, self.recompute, tl),
+            1 => whole_model_step(&mut self.fsdp.units, s, step, self.recompute, self.overlap_comm, tl),
             2 => blockwise_step(&mut self.fsdp.units, s, step, self.recompute, tl),
             _ => self.fsdp.step(s, step, tl), // stage 3: lesson 03's unit-by-unit step
         }
@@ -78,11 +86,14 @@ impl OptimizerStateShard {
 // ANCHOR: step
 /// ZeRO-1: forward/backward through the whole replicated compute copy,
 /// reduce-scatter the gradient, update my shard, all-gather the new weights.
+/// Under `--overlap-comm` my last micro-batch runs block by block instead,
+/// and each unit's sum goes to the stream as soon as that backward completes it.
 fn whole_model_step(
     units: &mut [FsdpUnit],
     s: &Session,
     step: u64,
     recompute: bool,
+    overlap_comm: bool,
     tl: &mut MemoryTimeline,
 ) -> anyhow::Result<f32> {
     let w = s.world;
@@ -90,32 +101,89 @@ fn whole_model_step(
     tl.mark("compute copy as candle Vars");
 
     // 1. forward/backward on my micro-batches: the *whole* gradient, summed in fp32
-    let mut sums: Vec<MicroBatchSum> = units.iter().map(|u| s.grad_sum(u.layout().padded)).collect(); // one per unit
-    let mut loss_sum = 0.0;
+    let mut sums: Vec<Option<MicroBatchSum>> = units.iter().map(|u| Some(s.grad_sum(u.layout().padded))).collect(); // one per unit
+    let (mut loss_sum, last) = (0.0, s.my_micro_batches().end - 1);
     for k in s.my_micro_batches() {
-        let (loss, grads) = s.forward_backward(&vars, step, k, recompute)?;
-        for ((sum, vs), u) in sums.iter_mut().zip(&per_unit).zip(units.iter()) {
-            sum.add(|buf| grads.add_to(u.params(), vs, buf))?;
+        if overlap_comm && k == last {
+            let loss = hand_offs(units, &mut sums, s, &vars, step, k, recompute, |unit, sum, grads| {
+                let mut sum = sum.take().expect("a unit is handed on once");
+                sum.add(|buf| unit.add_grads(grads, buf))?;
+                unit.reduce_scatter(w, &mut sum); // on the stream; the sum's buffers go with it
+                Ok(())
+            })?;
+            loss_sum += loss as f64;
+        } else {
+            let (loss, grads) = w.traced(
+                || format!("forward+backward, micro-batch {k}"),
+                || s.forward_backward(&vars, step, k, recompute),
+            )?;
+            for ((sum, vs), u) in sums.iter_mut().flatten().zip(&per_unit).zip(units.iter()) {
+                sum.add(|buf| grads.add_to(u.params(), vs, buf))?;
+            }
+            loss_sum += loss as f64;
         }
-        loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}"));
     }
     drop((vars, per_unit));
 
     // 2. reduce-scatter: I keep the rank-ordered sum of my shard, and free the rest
     for (u, sum) in units.iter_mut().zip(&mut sums) {
-        u.reduce_scatter(w, sum);
+        if let Some(sum) = sum {
+            u.reduce_scatter(w, sum); // not yet handed on: every unit, without --overlap-comm
+        }
     }
     drop(sums);
     tl.mark("reduce-scatter the gradient");
 
     // 3. AdamW on my fp32 shard; 4. all-gather the new compute copy (inside `update`)
-    update_all(units, s, 1.0 / s.sampler.micro_batches as f32)?;
+    w.traced(|| "AdamW update".into(), || update_all(units, s, 1.0 / s.sampler.micro_batches as f32))?;
     tl.mark("AdamW on my shard, all-gather the new weights");
     Ok((w.sum_f64(&[loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
 }
 // ANCHOR_END: step
 // ANCHOR_END: stage1
+
+/// Micro-batch `k` block by block through the resident compute copy `vars`:
+/// as the backward completes a unit's gradients, `hand` gets the unit, its
+/// sum and the gradients — with at most one reduce-scatter in flight
+/// ([`one_in_flight`]), so that no more than one unit's sum travels at once.
+#[allow(clippy::too_many_arguments)]
+fn hand_offs(
+    units: &mut [FsdpUnit],
+    sums: &mut [Option<MicroBatchSum>],
+    s: &Session,
+    vars: &[Var],
+    step: u64,
+    k: usize,
+    recompute: bool,
+    mut hand: impl FnMut(
+        &mut FsdpUnit,
+        &mut Option<MicroBatchSum>,
+        &[(usize, candle_core::Tensor)],
+    ) -> fsdp_gpt::error::Result<()>,
+) -> anyhow::Result<f32> {
+    let w = s.world;
+    let batch = s.sampler.micro_batch(step, k)?;
+    let mut reducing = None; // the unit whose reduce-scatter is in flight
+    Ok(w.traced(
+        || format!("forward+backward, micro-batch {k}"),
+        || {
+            blockwise::forward_backward(&s.model, &s.table, vars, &batch, recompute, |_, grads| {
+                let u = unit_of(units, &grads);
+                one_in_flight(units, &mut reducing, u, w);
+                hand(&mut units[u], &mut sums[u], &grads)
+            })
+        },
+    )?)
+}
+
+/// The unit whose gradients a block-by-block backward hands on (each block,
+/// and the root, is a unit of its own at stages 1 and 2).
+fn unit_of(units: &[FsdpUnit], grads: &[(usize, candle_core::Tensor)]) -> usize {
+    let u = units.iter().position(|u| u.params().contains(&grads[0].0)).expect("every gradient has a unit");
+    assert!(units[u].blocks() <= 1, "a hand-off needs one block per unit");
+    u
+}
 
 // ANCHOR: stage2
 /// ZeRO-2: one micro-batch at a time through the resident compute copy,
@@ -139,13 +207,10 @@ fn blockwise_step(
     let last = s.my_micro_batches().end - 1;
     let mut loss_sum = 0.0;
     for k in s.my_micro_batches() {
-        let batch = s.sampler.micro_batch(step, k)?;
-        let loss = blockwise::forward_backward(&s.model, &s.table, &vars, &batch, recompute, |_, grads| {
-            // Each block (and the root) is a unit of its own here: a hand-off is a whole unit.
-            let u = units.iter().position(|u| u.params().contains(&grads[0].0)).expect("every gradient has a unit");
-            assert!(units[u].blocks() <= 1, "ZeRO-2's hand-off needs one block per unit");
-            // Add to the unit's sum; after my last micro-batch, reduce-scatter it and free it (exercise 4.1).
-            exercise!(4, 1, hand_off(w, &mut units[u], &mut sums[u], &grads, k == last))
+        let loss = hand_offs(units, &mut sums, s, &vars, step, k, recompute, |unit, sum, grads| {
+            // Add to the unit's sum; after my last micro-batch, reduce-scatter it
+            // (on the stream under --overlap-comm) and free it (exercise 4.1).
+            exercise!(4, 1, hand_off(w, unit, sum, grads, k == last))
         })?;
         loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}, units reduce-scattered after the last"));
@@ -158,7 +223,7 @@ fn blockwise_step(
     drop(vars);
 
     // AdamW on my fp32 shard; all-gather the new compute copy (inside `update`).
-    update_all(units, s, 1.0 / s.sampler.micro_batches as f32)?;
+    w.traced(|| "AdamW update".into(), || update_all(units, s, 1.0 / s.sampler.micro_batches as f32))?;
     tl.mark("AdamW on my shard, all-gather the new weights");
     Ok((w.sum_f64(&[loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
 }

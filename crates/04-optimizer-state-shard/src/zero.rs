@@ -142,15 +142,22 @@ fn resident_kept(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
 
 /// This rank's bytes under ZeRO-1, from shapes: what it keeps, and the
 /// peak — a micro-batch's backward through the whole model (block by block
-/// under `--recompute`), with every unit's gradient sums.
-pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryTally {
+/// under `--recompute`), with every unit's gradient sums. Under
+/// `--overlap-comm` my last micro-batch runs block by block, handing each
+/// unit's sum to the stream, as ZeRO-2's last micro-batch does.
+pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool, overlap_comm: bool) -> MemoryTally {
     let e = units[0].param_bytes();
     let dt = if e == 2 { "bf16" } else { "fp32" };
     let padded: usize = units.iter().map(|u| u.layout().padded).sum();
     let numel = s.table.numel();
     let mut t = resident_kept(s, units);
     let mut moments = vec![];
-    for k in 0..s.my_micro_batches().len() {
+    let mine = s.my_micro_batches().len();
+    for k in 0..mine {
+        if overlap_comm && k + 1 == mine {
+            moments.extend(blockwise_moments(s, units, recompute, k, true));
+            continue;
+        }
         let (label, add) = (format!("micro-batch {k}"), format!("adding micro-batch {k}'s gradients to the sums"));
         moments.extend(s.whole_model_moments(e, recompute, &label, &add, &mut |adding, m| {
             // The sums' buffers: those of my micro-batches so far, this one's once it is added.
@@ -164,7 +171,7 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
         }));
     }
     let groups = s.sum_groups.per_rank();
-    if groups > 1 {
+    if groups > 1 && !overlap_comm {
         // The reduce-scatters after the backward: every unit's sums, and the
         // largest unit's packed per destination.
         let mut m = Moment::new("reduce-scatter of several group sums");
@@ -186,61 +193,82 @@ pub fn stage1_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryT
 /// This rank's bytes under ZeRO-2, from shapes: what it keeps, and the
 /// peak over the block-by-block backward of every micro-batch of mine.
 /// Each unit's sum holds its buffers until my last micro-batch's backward
-/// has added to it, then is reduce-scattered and freed.
-pub fn stage2_tally(s: &Session, units: &[FsdpUnit], recompute: bool) -> MemoryTally {
+/// has added to it, then is reduce-scattered and freed (under
+/// `--overlap-comm`, freed once the stream has sent it: when the next
+/// unit is handed on).
+pub fn stage2_tally(s: &Session, units: &[FsdpUnit], recompute: bool, overlap_comm: bool) -> MemoryTally {
+    let mut t = resident_kept(s, units);
+    let moments =
+        (0..s.my_micro_batches().len()).flat_map(|k| blockwise_moments(s, units, recompute, k, overlap_comm)).collect();
+    t.peak(moments);
+    t
+}
+
+/// The moments of my micro-batch `k` through the resident copy, block by
+/// block, each unit's gradient added to its sum as its backward ends, and
+/// after my last micro-batch reduce-scattered (on the stream, one unit in
+/// flight at a time, under `overlap`).
+fn blockwise_moments(s: &Session, units: &[FsdpUnit], recompute: bool, k: usize, overlap: bool) -> Vec<Moment> {
     let e = units[0].param_bytes();
     let dt = if e == 2 { "bf16" } else { "fp32" };
     let mine = s.my_micro_batches().len();
+    let last = k + 1 == mine;
     // Which unit holds block i's parameters, and the root.
     let unit_of = |u: Unit| -> usize {
         let first = s.table.unit_params(u).start;
         units.iter().position(|x| x.params().contains(&first)).expect("a unit")
     };
     let order: Vec<usize> = (0..s.cfg.n_layer).rev().map(|i| unit_of(Unit::Block(i))).chain([0]).collect();
-    let mut t = resident_kept(s, units);
-    let mut moments = vec![];
-    for k in 0..mine {
-        moments.extend(s.blockwise_moments(e, recompute, &format!("micro-batch {k}"), &mut |now, handed, m| {
-            // Units whose gradients were added in this micro-batch: those
-            // before `now` in `order`, and `now` itself once handed on.
-            let done = match now {
-                Unit::FinalNorm => 0,
-                u => order.iter().position(|&x| x == unit_of(u)).expect("in order") + usize::from(handed),
-            };
-            if handed {
-                // Adding it: one tensor at a time widened to fp32 under bf16.
-                let unit = &units[unit_of(now)];
-                let largest = unit.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
-                widen_row(m, e, largest);
-                let groups = s.sum_groups.per_rank();
-                if k + 1 == mine && groups > 1 {
-                    m.add("send buffer", groups * unit.layout().padded, 4, "its group sums packed per destination");
-                }
+    s.blockwise_moments(e, recompute, &format!("micro-batch {k}"), &mut |now, handed, m| {
+        // Units whose gradients were added in this micro-batch: those
+        // before `now` in `order`, and `now` itself once handed on.
+        let before = match now {
+            Unit::FinalNorm => 0,
+            u => order.iter().position(|&x| x == unit_of(u)).expect("in order"),
+        };
+        let done = before + usize::from(handed && now != Unit::FinalNorm);
+        // Under overlap, the unit handed on last is in flight until the next
+        // hand-off waits for it (just before it adds).
+        let in_flight = (overlap && last && !handed && before > 0).then(|| order[before - 1]);
+        if handed {
+            // Adding it: one tensor at a time widened to fp32 under bf16.
+            let unit = &units[unit_of(now)];
+            let largest = unit.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
+            widen_row(m, e, largest);
+            let groups = s.sum_groups.per_rank();
+            if last && groups > 1 {
+                m.add("send buffer", groups * unit.layout().padded, 4, "its group sums packed per destination");
             }
-            let sums: usize = units
-                .iter()
-                .enumerate()
-                .map(|(x, unit)| {
-                    let added = order[..done].contains(&x);
-                    let handing = handed && x == unit_of(now); // its last add, before its reduce-scatter
-                    let buffers = match (added, k + 1 == mine && !handing) {
-                        (true, true) => 0, // reduce-scattered and freed
-                        (true, false) => s.sum_groups.allocated_before(k + 1),
-                        (false, _) => s.sum_groups.allocated_before(k),
-                    };
-                    buffers * unit.layout().padded
-                })
-                .sum();
-            m.add(&format!("compute copy as candle Vars ({dt})"), s.table.numel(), e, "whole model").add(
-                "unit grad sums (fp32)",
-                sums,
+        }
+        let sums: usize = units
+            .iter()
+            .enumerate()
+            .map(|(x, unit)| {
+                let added = order[..done].contains(&x);
+                let handing = handed && x == unit_of(now); // its last add, before its reduce-scatter
+                let buffers = match (added, last && !handing) {
+                    (true, true) => 0, // reduce-scattered (or in flight: its row is below) and freed
+                    (true, false) => s.sum_groups.allocated_before(k + 1),
+                    (false, _) => s.sum_groups.allocated_before(k),
+                };
+                buffers * unit.layout().padded
+            })
+            .sum();
+        m.add(&format!("compute copy as candle Vars ({dt})"), s.table.numel(), e, "whole model").add(
+            "unit grad sums (fp32)",
+            sums,
+            4,
+            "units not yet reduce-scattered, over my micro-batches so far",
+        );
+        if let Some(x) = in_flight {
+            m.add(
+                &format!("{}'s grad sums, reduce-scatter in flight (fp32)", units[x].name()),
+                s.sum_groups.per_rank() * units[x].layout().padded,
                 4,
-                "units not yet reduce-scattered, over my micro-batches so far",
+                "--overlap-comm: sent from the stream while the blocks below compute",
             );
-        }));
-    }
-    t.peak(moments);
-    t
+        }
+    })
 }
 // ANCHOR_END: stage2_tally
 

@@ -34,10 +34,22 @@ struct Args {
     /// Run nothing: redraw the two plots under `--out` from its bench.json.
     #[arg(long)]
     replot: bool,
-    /// Measure only this machine's matmul rate; print it and the CPU as JSON
-    /// (`just compare-pytorch` records them beside its figures).
+    /// Measure only the lessons' matmul: on one thread, through every SIMD
+    /// path this CPU runs (AVX-512, AVX2; the portable path only on a CPU
+    /// with neither, as it is far too slow to time beside them), at 1024³ and at the tiny and
+    /// small presets' own products (each linear layer's forward and both
+    /// backward products, transposed views included), beside the CPU's FMA
+    /// peak from its clock and vector width.
     #[arg(long)]
     matmul_only: bool,
+    /// With --matmul-only: print it as JSON (`just compare-pytorch` and `just
+    /// alpha-beta` read it).
+    #[arg(long)]
+    json: bool,
+    /// Print only the 1024³ rate, in FLOP/s, and nothing else (what `just
+    /// alpha-beta` needs: not the whole per-path, per-shape sweep).
+    #[arg(long)]
+    peak_only: bool,
 }
 
 /// One lesson configuration: label, binary, extra flags. Each scheme that
@@ -108,8 +120,19 @@ fn run(a: &Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let peak = matmul_peak()?;
+    if a.peak_only {
+        println!("{peak}");
+        return Ok(());
+    }
     if a.matmul_only {
-        println!("{}", serde_json::json!({"cpu": cpu_model(), "matmul_peak_flops": peak}));
+        let rates = matmul_rates()?;
+        let json = serde_json::json!({"cpu": cpu_model(), "matmul_peak_flops": peak,
+            "path": fsdp_gpt::kernels::Isa::in_use().name(), "rates": rates, "fma_peaks": fma_peaks()});
+        if a.json {
+            println!("{json}");
+        } else {
+            print!("{}", matmul_table(&json));
+        }
         return Ok(());
     }
     println!(
@@ -209,6 +232,136 @@ fn matmul_peak() -> anyhow::Result<f64> {
         best = best.max(2.0 * (n * n * n) as f64 / s);
     }
     Ok(best)
+}
+
+/// The products the lessons' linear layers make at a preset's micro-batch
+/// (B·T tokens of C channels, x · wᵀ with w stored (out, in)): for each
+/// layer, the forward and the two backward products, as (name, M, K, N,
+/// a transposed, b transposed) — a transposed operand is a view, as the
+/// kernels read it.
+pub fn lesson_products(preset: &str) -> Vec<(String, usize, usize, usize, bool, bool)> {
+    let (tokens, c) = match preset {
+        "tiny" => (8 * 64, 128),
+        _ => (8 * 128, 384),
+    };
+    let mut v = vec![];
+    for (layer, cin, cout) in [("c_attn", c, 3 * c), ("c_fc", c, 4 * c), ("mlp c_proj", 4 * c, c)] {
+        v.push((format!("{preset} {layer}: x·wᵀ"), tokens, cin, cout, false, true));
+        v.push((format!("{preset} {layer}: g·w"), tokens, cout, cin, false, false));
+        v.push((format!("{preset} {layer}: gᵀ·x"), cout, tokens, cin, true, false));
+    }
+    v
+}
+
+/// One thread's rate through `isa` for an M × K × N product: best of five
+/// timed after one untimed, FLOP/s.
+fn rate(isa: fsdp_gpt::kernels::Isa, m: usize, k: usize, n: usize, at: bool, bt: bool) -> anyhow::Result<f64> {
+    let operand = |rows: usize, cols: usize, t: bool| -> anyhow::Result<Tensor> {
+        Ok(match t {
+            true => Tensor::randn(0f32, 1.0, (cols, rows), &Device::Cpu)?.t()?,
+            false => Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu)?,
+        })
+    };
+    let (a, b) = (operand(m, k, at)?, operand(k, n, bt)?);
+    let _ = fsdp_gpt::kernels::matmul_on(&a, &b, isa)?;
+    let reps = ((2e8 / (2.0 * (m * k * n) as f64)) as usize).clamp(1, 200); // ≈ 0.1 s at 2 GFLOP/s per timing
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            drop(fsdp_gpt::kernels::matmul_on(&a, &b, isa)?);
+        }
+        best = best.max(reps as f64 * 2.0 * (m * k * n) as f64 / t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Every path's rate at 1024³ and at the presets' products.
+fn matmul_rates() -> anyhow::Result<Vec<Value>> {
+    let mut shapes = vec![("1024³".to_string(), 1024, 1024, 1024, false, false)];
+    shapes.extend(lesson_products("tiny"));
+    shapes.extend(lesson_products("small"));
+    let mut out = vec![];
+    // The portable path (a libm fma per multiply-add where the CPU has SIMD paths) is for other
+    // architectures: far too slow to time at these sizes beside them, and its bits are the same.
+    let mut paths = fsdp_gpt::kernels::Isa::available();
+    if paths.len() > 1 {
+        paths.retain(|p| *p != fsdp_gpt::kernels::Isa::Portable);
+    }
+    for isa in paths {
+        for (name, m, k, n, at, bt) in &shapes {
+            let flops = rate(isa, *m, *k, *n, *at, *bt)?;
+            out.push(json!({"path": isa.name(), "shape": name, "m": m, "k": k, "n": n, "flops": flops}));
+        }
+    }
+    Ok(out)
+}
+
+/// The CPU's single-core f32 FMA peak per path, from the clock /proc/cpuinfo
+/// reports now and the vector width, two FMA units assumed (Zen 2 onwards,
+/// Intel since Haswell): 2 units × lanes × 2 FLOPs per cycle.
+fn fma_peaks() -> Value {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let mhz: f64 = info
+        .lines()
+        .find(|l| l.starts_with("cpu MHz"))
+        .and_then(|l| l.split(':').nth(1))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    let lanes = |isa: fsdp_gpt::kernels::Isa| match isa {
+        fsdp_gpt::kernels::Isa::Avx512 => 16.0,
+        fsdp_gpt::kernels::Isa::Avx2 => 8.0,
+        fsdp_gpt::kernels::Isa::Portable => 1.0,
+    };
+    let peaks: serde_json::Map<String, Value> = fsdp_gpt::kernels::Isa::available()
+        .into_iter()
+        .map(|isa| (isa.name().to_string(), json!(mhz * 1e6 * 2.0 * lanes(isa) * 2.0)))
+        .collect();
+    json!({"mhz": mhz, "peaks": peaks})
+}
+
+/// The rates as a table, GFLOP/s, a column per path.
+fn matmul_table(j: &Value) -> String {
+    let rates = j["rates"].as_array().cloned().unwrap_or_default();
+    let mut paths: Vec<String> = vec![];
+    let mut shapes: Vec<(String, String)> = vec![];
+    for r in &rates {
+        let (p, s) = (r["path"].as_str().unwrap_or("").to_string(), r["shape"].as_str().unwrap_or("").to_string());
+        if !paths.contains(&p) {
+            paths.push(p);
+        }
+        let dims = format!("{} × {} × {}", r["m"], r["k"], r["n"]);
+        if !shapes.iter().any(|(x, _)| *x == s) {
+            shapes.push((s, dims));
+        }
+    }
+    let mut header = vec!["product".to_string(), "M × K × N".to_string()];
+    header.extend(paths.iter().map(|p| format!("{p} (GFLOP/s)")));
+    let mut t = fsdp_harness::table::Table::new(header);
+    for (s, dims) in &shapes {
+        let mut row = vec![s.clone(), dims.clone()];
+        for p in &paths {
+            let f = rates
+                .iter()
+                .find(|r| r["path"] == p.as_str() && r["shape"] == s.as_str())
+                .and_then(|r| r["flops"].as_f64());
+            row.push(f.map_or("—".into(), |f| format!("{:.1}", f / 1e9)));
+        }
+        t.row(row);
+    }
+    let peaks = &j["fma_peaks"];
+    let p: Vec<String> = peaks["peaks"]
+        .as_object()
+        .map(|o| o.iter().map(|(k, v)| format!("{k} {:.1}", v.as_f64().unwrap_or(0.0) / 1e9)).collect())
+        .unwrap_or_default();
+    format!(
+        "{}: the lessons' matmul on one thread, GFLOP/s (best of 5), through every path this CPU runs (in use: {}):\n{}FMA peak at the {:.0} MHz /proc/cpuinfo reports now (2 FMA units × vector width × 2 FLOPs a cycle): {} GFLOP/s\n",
+        j["cpu"].as_str().unwrap_or("?"),
+        j["path"].as_str().unwrap_or("?"),
+        t.render(),
+        peaks["mhz"].as_f64().unwrap_or(0.0),
+        p.join(", ")
+    )
 }
 
 fn row_of(lesson: &'static str, preset: &str, ranks: usize, r: &Value, warmup: u64) -> anyhow::Result<Row> {
@@ -314,11 +467,17 @@ fn table(rows: &[Row], peak: f64) -> String {
     s
 }
 
-/// The CPU's model name, as Linux reports it.
+/// The CPU as /proc/cpuinfo names it, with its family and model numbers and
+/// its widest vector path: a virtual machine's name ("AMD EPYC") is often
+/// all it says, and the same name covers a Zen 3 (family 25) and a Zen 5 (26).
 fn cpu_model() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let name = info.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1));
-    name.map_or("unknown".into(), |n| n.trim().to_string())
+    let field = |key: &str| {
+        info.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == key)).and_then(|l| l.split(':').nth(1))
+    };
+    let name = field("model name").map_or("unknown".into(), |n| n.trim().to_string());
+    let (family, model) = (field("cpu family").unwrap_or("?").trim(), field("model").unwrap_or("?").trim());
+    format!("{name} (family {family}, model {model}; {})", fsdp_gpt::kernels::Isa::available()[0].name())
 }
 
 fn thousands(n: u64) -> String {

@@ -3,9 +3,13 @@
 //! Everything the lessons send between ranks goes through this crate, kept
 //! apart from the algorithms (as picotron keeps `*_communications.py` apart):
 //!
-//! - [`World`]: the MPI world (rank, size) and the collectives —
-//!   `all_gather` (also overlapped with compute), `reduce_scatter`, `all_reduce`;
+//! - [`World`]: the MPI world (rank, size) and, through [`Comm`], the
+//!   collectives — `all_gather`, `reduce_scatter`, `all_reduce`;
 //!   `World::init` works without mpirun too (a world of one).
+//! - [`Stream`]: the communication stream — collectives on a thread of
+//!   their own, handed over and waited for ([`Pending`]), so that the bytes
+//!   move while the compute thread computes (FSDP2's all-gather and
+//!   reduce-scatter streams); [`trace`] records when each thing happened.
 //! - **Ordered reductions** ([`reduce`]): every gradient sum is formed as one
 //!   fixed pairwise tree over the step's micro-batches ([`MicroBatchSum`] on
 //!   each rank, [`sum_pairwise`] across ranks), so `all_reduce ≡
@@ -16,7 +20,8 @@
 //! - [`ExactSquares`]: a sum of squares no split or order changes — the
 //!   global gradient norm for `--grad-clip`, the same bits at every world size.
 //! - [`ShardLayout`]: who owns which slice of a flat vector, as pure arithmetic.
-//! - [`Traffic`]: calls, bytes and wall time per collective kind.
+//! - [`Traffic`]: calls, bytes and times per collective kind: wall time,
+//!   the part the compute thread waited for (exposed), the stream's CPU time.
 //!
 //! ```
 //! use fsdp_comm::ShardLayout;
@@ -27,16 +32,22 @@
 //! assert_eq!(layout.real_len(3), 1);
 //! ```
 
+pub mod comm;
 pub mod exact;
 pub mod layout;
 pub mod reduce;
+pub mod stream;
+pub mod trace;
 pub mod traffic;
 pub mod world;
 
+pub use comm::{Comm, RankSum};
 pub use exact::ExactSquares;
 pub use layout::{ShardInfo, ShardLayout};
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
 pub use mpi::traits::Equivalence;
-pub use reduce::{MicroBatchSum, SumGroups, nan_max, sum_pairwise};
-pub use traffic::{Collective, Traffic, TrafficStats};
+pub use reduce::{Adding, MicroBatchSum, SumGroups, nan_max, sum_pairwise};
+pub use stream::{Pending, Policy, Stream, Wire};
+pub use trace::{Lane, Span, Trace};
+pub use traffic::{Collective, Times, Traffic, TrafficStats};
 pub use world::{CommError, World, abort_job};

@@ -193,13 +193,15 @@ pub struct MicroBatchSum {
     /// Buffers to reuse: a sum kept from step to step (lessons 01, 02) allocates nothing after the first.
     spare: Vec<Vec<f32>>,
     added: usize,
+    /// The ranges [`Adding::done`] has added, kept for the next micro-batch's.
+    done: Vec<Range<usize>>,
 }
 
 impl MicroBatchSum {
     /// An empty sum of vectors of `len` elements, in the order of `plan`.
     pub fn new(plan: SumGroups, len: usize) -> Self {
         let nodes = group_tree(plan.group_len());
-        Self { plan, len, nodes, stack: vec![], sums: vec![], spare: vec![], added: 0 }
+        Self { plan, len, nodes, stack: vec![], sums: vec![], spare: vec![], added: 0, done: vec![] }
     }
 
     /// The same sum with its buffers allocated now: as many as the tree
@@ -214,24 +216,48 @@ impl MicroBatchSum {
     /// Adds the next of my micro-batches (in order): `add` adds its gradient
     /// onto the zeroed buffer it is given.
     pub fn add<R>(&mut self, add: impl FnOnce(&mut [f32]) -> R) -> R {
+        let mut next = self.begin();
+        let r = add(next.gradient());
+        next.done(0..next.len());
+        next.finish();
+        r
+    }
+
+    /// Starts adding the next of my micro-batches piece by piece (what
+    /// DDP's buckets need: a range of the sum is final while the backward
+    /// still computes the rest). Its gradient goes onto the zeroed
+    /// [`Adding::gradient`]; each range, once complete, is passed to
+    /// [`Adding::done`], which adds it into the tree at once — the additions
+    /// [`MicroBatchSum::add`] makes for the whole vector, restricted to the
+    /// range, so the bits are the same however the vector is cut.
+    pub fn begin(&mut self) -> Adding<'_> {
         assert!(self.added < self.plan.micro_batches / self.plan.world, "more micro-batches than this rank holds");
         let mut buf = self.spare.pop().unwrap_or_default();
         buf.clear();
         buf.resize(self.len, 0.0);
-        let r = add(&mut buf);
+        // Which partial sums the new leaf merges into: the top `merges` of the
+        // stack, walked down as `merge_siblings` will join them in `finish`.
         let i = self.added % self.plan.group_len();
-        self.stack.push((i..i + 1, buf));
-        self.added += 1;
-        let spare = &mut self.spare;
-        merge_siblings(&self.nodes, &mut self.stack, |left, right| {
-            add_assign(left, &right); // left + right: a node of the tree
-            spare.push(right);
-        });
-        if self.stack.len() == 1 && self.stack[0].0.len() == self.plan.group_len() {
-            let (_, sum) = self.stack.pop().expect("a finished group");
-            self.sums.push(sum);
+        let (mut joined, mut merges) = (i..i + 1, 0);
+        for (r, _) in self.stack.iter().rev() {
+            let up = r.start..joined.end;
+            if r.end != joined.start || !self.nodes.contains(&up) {
+                break;
+            }
+            (joined, merges) = (up, merges + 1);
         }
-        r
+        let completes_group = merges == self.stack.len() && joined.len() == self.plan.group_len();
+        let mut done = std::mem::take(&mut self.done);
+        done.clear();
+        Adding { sum: self, buf, merges, completes_group, done }
+    }
+
+    /// My group sums, taken out (what a reduce-scatter on the stream carries
+    /// away); the sum is left empty for the next step, its spare buffers kept.
+    pub fn take_sums(&mut self) -> Vec<Vec<f32>> {
+        assert_eq!(self.sums.len(), self.plan.per_rank(), "the sum is complete only after every micro-batch of mine");
+        self.added = 0;
+        std::mem::take(&mut self.sums)
     }
 
     /// My group sums, once all my micro-batches are added: what the
@@ -249,6 +275,85 @@ impl MicroBatchSum {
     }
 }
 // ANCHOR_END: micro_batch_sum
+
+/// One micro-batch being added to a [`MicroBatchSum`], range by range.
+pub struct Adding<'a> {
+    sum: &'a mut MicroBatchSum,
+    /// The micro-batch's gradient: the tree's new leaf.
+    buf: Vec<f32>,
+    /// How many partial sums on the stack the leaf merges into (the top ones).
+    merges: usize,
+    /// Whether the merges finish a group (then its sum is final).
+    completes_group: bool,
+    /// The ranges added so far (checked to tile the vector in `finish`).
+    done: Vec<Range<usize>>,
+}
+
+impl Adding<'_> {
+    /// Elements of the vector.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// Where the micro-batch's gradient goes (zeroed).
+    pub fn gradient(&mut self) -> &mut [f32] {
+        &mut self.buf
+    }
+
+    /// `r` of the gradient is complete: add it into the tree now (each
+    /// merge `left += right`, on `r` only). Every element must be done once.
+    pub fn done(&mut self, r: Range<usize>) {
+        assert!(r.end <= self.buf.len(), "a range beyond the sum's {} elements", self.buf.len());
+        assert!(self.done.iter().all(|d| d.end <= r.start || r.end <= d.start), "a range of the sum was added twice");
+        self.done.push(r.clone());
+        let stack = &mut self.sum.stack;
+        let n = stack.len();
+        if self.merges == 0 {
+            return; // the leaf stays on the stack as it is
+        }
+        add_assign(&mut stack[n - 1].1[r.clone()], &self.buf[r.clone()]);
+        for t in (n - self.merges..n - 1).rev() {
+            let (lower, upper) = stack.split_at_mut(t + 1);
+            add_assign(&mut lower[t].1[r.clone()], &upper[0].1[r.clone()]);
+        }
+    }
+
+    /// The range `r` of my group sum `g` (0-based, in order), once final:
+    /// an earlier group's, or — after [`Adding::done`] on `r` — the group
+    /// this micro-batch completes.
+    pub fn final_part(&self, g: usize, r: Range<usize>) -> &[f32] {
+        let sums = &self.sum.sums;
+        if g < sums.len() {
+            return &sums[g][r];
+        }
+        assert!(g == sums.len() && self.completes_group, "group {g} is not complete yet");
+        match self.merges {
+            0 => &self.buf[r], // a group of one micro-batch: the leaf is its sum
+            m => &self.sum.stack[self.sum.stack.len() - m].1[r],
+        }
+    }
+
+    /// Ends the micro-batch: the tree's bookkeeping for the additions made.
+    pub fn finish(self) {
+        let covered: usize = self.done.iter().map(|r| r.len()).sum();
+        assert_eq!(covered, self.buf.len(), "every element of the sum must be added, once");
+        let Adding { sum, buf, done, .. } = self;
+        sum.done = done;
+        let i = sum.added % sum.plan.group_len();
+        sum.stack.push((i..i + 1, buf));
+        sum.added += 1;
+        let spare = &mut sum.spare;
+        merge_siblings(&sum.nodes, &mut sum.stack, |_, right| spare.push(right)); // added already, range by range
+        if sum.stack.len() == 1 && sum.stack[0].0.len() == sum.plan.group_len() {
+            let (_, group) = sum.stack.pop().expect("a finished group");
+            sum.sums.push(group);
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -352,5 +457,60 @@ mod tests {
         assert_eq!(sum(vec![[1e8], [1.0], [-1e8], [0.0]]), (1e8f32 + 1.0) + (-1e8f32 + 0.0));
         assert_eq!(sum(vec![[1e8], [-1e8], [1.0]]), 1e8f32 + (-1e8f32 + 1.0));
         assert!(nan_max(0.0, f32::NAN).is_nan() && nan_max(f32::NAN, 1.0).is_nan() && nan_max(1.0, 2.0) == 2.0);
+    }
+
+    /// Adds `m` micro-batches of `len` values through `MicroBatchSum::add`,
+    /// or (`pieces`) range by range, the ranges done back to front as a
+    /// backward finishes the last layers first.
+    fn summed(plan: SumGroups, m: usize, len: usize, pieces: Option<usize>) -> Vec<Vec<f32>> {
+        let mut s = MicroBatchSum::new(plan, len);
+        for k in 0..m {
+            let grad = |e: usize| values(m * len)[k * len + e];
+            match pieces {
+                None => s.add(|b| b.iter_mut().enumerate().for_each(|(e, x)| *x += grad(e))),
+                Some(p) => {
+                    let mut a = s.begin();
+                    a.gradient().iter_mut().enumerate().for_each(|(e, x)| *x += grad(e));
+                    let cuts: Vec<usize> = (0..=p).map(|c| c * len / p).collect();
+                    for w in cuts.windows(2).rev() {
+                        a.done(w[0]..w[1]);
+                    }
+                    a.finish();
+                }
+            }
+        }
+        s.sums().to_vec()
+    }
+
+    #[test]
+    fn range_by_range_gives_the_bits_of_the_whole_vector() {
+        for (m, g, n) in [(8, 1, 1), (8, 2, 1), (12, 4, 2), (6, 3, 3), (5, 5, 1)] {
+            let plan = SumGroups::new(g, m, n).unwrap();
+            let whole = summed(plan, m / n, 7, None);
+            for p in [1, 2, 3, 7] {
+                let pieces = summed(plan, m / n, 7, Some(p));
+                let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&pieces), bits(&whole), "M {m}, G {g}, N {n}, {p} pieces");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "added twice")]
+    fn a_range_done_twice_is_refused() {
+        let mut s = MicroBatchSum::new(SumGroups::new(1, 2, 1).unwrap(), 4);
+        s.add(|b| b.fill(1.0));
+        let mut a = s.begin();
+        a.done(0..3);
+        a.done(2..4); // overlaps 2..3: its values would be added twice
+    }
+
+    #[test]
+    #[should_panic(expected = "once")]
+    fn a_range_left_out_is_refused() {
+        let mut s = MicroBatchSum::new(SumGroups::new(1, 1, 1).unwrap(), 4);
+        let mut a = s.begin();
+        a.done(0..3);
+        a.finish();
     }
 }

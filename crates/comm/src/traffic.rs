@@ -44,6 +44,14 @@ pub struct TrafficStats {
     /// Under `FSDP_SYNC_COLLECTIVES=1`: in the barrier before each call —
     /// waiting for the slowest rank to arrive, not moving data.
     pub waited: f64,
+    /// The compute thread's time blocked on it: all of `seconds` for a
+    /// blocking call; for one on the communication stream, only the wait
+    /// where the step needed its result (the rest was hidden behind compute).
+    pub exposed: f64,
+    /// On the communication stream: the CPU time its thread spent on the
+    /// collective (driving MPI's progress, adding the parts), from the
+    /// thread's own clock. 0 for a blocking call, which runs on the compute thread.
+    pub cpu: f64,
 }
 
 /// Totals for every kind, indexed by [`Collective`].
@@ -57,17 +65,46 @@ impl Traffic {
         self.stats[kind as usize]
     }
 
-    pub fn record(&mut self, kind: Collective, sent: usize, received: usize, seconds: f64, waited: f64) {
+    /// One call of `kind`: bytes, and its times (see [`TrafficStats`]).
+    pub fn record(&mut self, kind: Collective, sent: usize, received: usize, times: Times) {
         let s = &mut self.stats[kind as usize];
         s.calls += 1;
         s.bytes_sent += sent as u64;
         s.bytes_received += received as u64;
-        s.seconds += seconds;
-        s.waited += waited;
+        s.seconds += times.seconds;
+        s.waited += times.waited;
+        s.exposed += times.exposed;
+        s.cpu += times.cpu;
     }
 
-    /// Seconds spent in all collectives.
+    /// Seconds spent in all collectives (on whichever thread ran them).
     pub fn seconds(&self) -> f64 {
         self.stats.iter().map(|s| s.seconds).sum()
+    }
+
+    /// Seconds the compute thread was blocked on collectives.
+    pub fn exposed(&self) -> f64 {
+        self.stats.iter().map(|s| s.exposed).sum()
+    }
+
+    /// CPU seconds the communication thread spent on collectives.
+    pub fn cpu(&self) -> f64 {
+        self.stats.iter().map(|s| s.cpu).sum()
+    }
+}
+
+/// The times of one call, as [`Traffic::record`] adds them up.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Times {
+    pub seconds: f64,
+    pub waited: f64,
+    pub exposed: f64,
+    pub cpu: f64,
+}
+
+impl Times {
+    /// A blocking call: the compute thread was in it for all of `seconds`.
+    pub fn blocking(seconds: f64, waited: f64) -> Self {
+        Self { seconds, waited, exposed: seconds, cpu: 0.0 }
     }
 }

@@ -1,7 +1,9 @@
 //! Prints the digest of one product, (512 × 1536) @ (1536 × 384), computed
 //! by candle's own matmul and by ours (`fsdp_gpt::kernels::matmul`).
 //! candle's blocks the 1536-long contraction by the cache sizes it reads
-//! from the machine, so its digest can change with them; ours cannot.
+//! from the machine, so its digest can change with them; ours blocks by
+//! them too (the `blocks` line) but adds each output's products in one
+//! order whatever the blocks, so its digest cannot.
 //! `tests/e2e/machine.rs` runs this under a faked cache topology.
 use candle_core::{Device, Tensor};
 use fsdp_gpt::params::digest_f32;
@@ -16,5 +18,7 @@ fn main() -> candle_core::Result<()> {
     let bits = |t: Tensor| -> candle_core::Result<u64> { Ok(digest_f32(&t.flatten_all()?.to_vec1::<f32>()?)) };
     println!("candle {:016x}", bits(a.matmul(&b)?)?);
     println!("ours {:016x}", bits(fsdp_gpt::kernels::matmul(&a, &b)?)?);
+    let blocks = fsdp_gpt::kernels::Blocks::for_this_cpu();
+    println!("blocks kc {} (for k = 1536: {}), mc {}, nc {}", blocks.kc, blocks.kc_for(1536), blocks.mc, blocks.nc);
     Ok(())
 }

@@ -68,6 +68,28 @@ pub fn forward_backward(
     params: &[Var],
     batch: &Batch,
     recompute: bool,
+    on_unit: impl FnMut(Unit, Vec<(usize, Tensor)>) -> Result<()>,
+) -> Result<f32> {
+    forward_backward_marked(gpt, table, params, batch, recompute, |_| {}, on_unit)
+}
+
+/// Where [`forward_backward_marked`] has got to, for a trace: the blocks'
+/// forward is done, then the head's forward and backward (each block's
+/// backward ends with its `on_unit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mark {
+    Forward,
+    Head,
+}
+
+/// [`forward_backward`], telling `on_mark` when the forward and the head are done.
+pub fn forward_backward_marked(
+    gpt: &Gpt,
+    table: &ParamTable,
+    params: &[Var],
+    batch: &Batch,
+    recompute: bool,
+    mut on_mark: impl FnMut(Mark),
     mut on_unit: impl FnMut(Unit, Vec<(usize, Tensor)>) -> Result<()>,
 ) -> Result<f32> {
     let detached: Vec<Tensor> = params.iter().map(|v| v.as_detached_tensor()).collect(); // no graph
@@ -95,6 +117,8 @@ pub fn forward_backward(
         }
     }
 
+    on_mark(Mark::Forward);
+
     // The head and the loss, and their backward at once.
     let ln = table.unit_params(Unit::FinalNorm);
     let xv = Var::from_tensor(&x)?;
@@ -108,6 +132,7 @@ pub fn forward_backward(
     let lnf = [get(&grads, &tracked[ln.start], "ln_f.weight")?, get(&grads, &tracked[ln.start + 1], "ln_f.bias")?];
     let mut g = get(&grads, xv.as_tensor(), "the head's input")?;
     drop((grads, loss, logits, xv));
+    on_mark(Mark::Head);
 
     // The blocks, last first: pull g back through each, hand its gradients on.
     for i in (0..n_layer).rev() {

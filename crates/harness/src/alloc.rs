@@ -19,6 +19,8 @@ static OVERRUN: AtomicBool = AtomicBool::new(false);
 static OVERRUN_BEFORE_TRAINING: AtomicBool = AtomicBool::new(false);
 static OVERRUN_NEEDED: AtomicUsize = AtomicUsize::new(0);
 static OVERRUN_LIVE: AtomicUsize = AtomicUsize::new(0);
+/// Allocations made on a communication stream's thread since training began.
+static STREAM_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -53,6 +55,9 @@ unsafe impl GlobalAlloc for CountingAllocator {
 }
 
 fn grow(n: usize) {
+    if fsdp_comm::stream::on_stream_thread() {
+        STREAM_ALLOCATIONS.fetch_add(1, Relaxed);
+    }
     let live = LIVE.fetch_add(n, Relaxed) + n;
     if live > BUDGET.load(Relaxed) && !OVERRUN.swap(true, Relaxed) {
         OVERRUN_NEEDED.store(n, Relaxed);
@@ -124,6 +129,14 @@ pub fn set_budget(bytes: Option<usize>) {
 /// while the lesson built its state, and is reported as such.
 pub fn training_begins() {
     OVERRUN_BEFORE_TRAINING.store(OVERRUN.load(Relaxed), Relaxed);
+    STREAM_ALLOCATIONS.store(0, Relaxed);
+}
+
+/// Allocations the communication stream's thread made since training
+/// began: none, when its buffers are reserved up front and every buffer a
+/// collective uses travels with it (allocated and freed by the compute thread).
+pub fn stream_allocations() -> usize {
+    STREAM_ALLOCATIONS.load(Relaxed)
 }
 
 /// The first allocation beyond the budget since it was set, if any.

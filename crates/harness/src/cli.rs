@@ -103,6 +103,13 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
 
+    /// Write a trace of every step into this folder: one Chrome trace-event
+    /// file per rank (trace-rank<R>.json) and all ranks in trace.json, to
+    /// open in Perfetto or chrome://tracing, and timeline.svg (the last step):
+    /// each unit's compute, each collective with its bytes, each wait.
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<PathBuf>,
+
     /// Run exercise NN.K with your code (the lesson's src/exercises.rs)
     /// instead of the answer; repeat or list for several (--mine 1,2).
     /// `just exercise NN-K` checks it against the committed snapshot.
@@ -128,6 +135,14 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     match num.parse::<f64>() {
         Ok(x) if x.is_finite() && x * scale >= 1.0 && x * scale < 1.8e19 => Ok((x * scale).round() as u64),
         _ => Err(format!("`{s}` is not a size: use a positive number with B, KB, MB, GB, KiB, MiB or GiB, e.g. 120MB")),
+    }
+}
+
+/// `--bucket-mb`: a positive, finite number of MB.
+pub fn positive_mb(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a positive number of MB (e.g. 0.5 or 25)")),
     }
 }
 

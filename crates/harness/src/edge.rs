@@ -9,7 +9,7 @@
 //!   job with `MPI_Abort`, so no rank is left hanging.
 //! - An exercise's stub (`todo!("exercise N.K …")`, see [`crate::exercise`])
 //!   is reached by every rank at the same point of the step: each unwinds
-//!   (waiting first for an overlapped all-gather in flight) to [`main`],
+//!   (waiting first for a collective in flight on the stream) to [`main`],
 //!   rank 0 names the file to edit, every rank exits with code 2.
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -80,6 +80,21 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
         }
     };
     IS_ROOT.store(world.is_root(), Relaxed);
+    // The measuring knobs, before any other collective. Each rank reads its own
+    // environment (mpirun passes a variable to another machine's ranks only with
+    // -x), so the ranks agree: if any has one set wrong, all stop here, and the
+    // first such rank alone says why.
+    let knobs = fsdp_gpt::kernels::check_matmul_env().and_then(|()| fsdp_comm::stream::Policy::check_env());
+    let bad = world.gather_control(&[u8::from(knobs.is_err())]);
+    if let Some(first) = bad.iter().position(|&b| b == 1) {
+        if let (true, Err(line)) = (world.rank() == first, &knobs) {
+            match first {
+                0 => eprintln!("error: {line}"),
+                r => eprintln!("error (rank {r}): {line} (pass the same FSDP_* variables to every rank: mpirun -x)"),
+            }
+        }
+        return ExitCode::from(2);
+    }
     crate::stop::install(world.is_root(), std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some());
     RANK.store(world.rank(), Relaxed);
     SIZE.store(world.size(), Relaxed);
@@ -97,7 +112,7 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
 
     // Every rank reaches an exercise's stub at the same point of the step
     // (the step is the same program on every rank), so all unwind to here
-    // (`World::all_gather_overlapped` waits for its gather in flight first):
+    // (a collective in flight on the stream is waited for first, `Pending`'s drop):
     // rank 0 names the file to edit, all exit with code 2.
     let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&world, &lesson))) {
         Ok(r) => r,

@@ -30,6 +30,7 @@
 //! | [`report`] | memory tally, traffic table, JSON, weights |
 //! | [`table`], [`plot`] | boxed text tables, SVG charts (re-exported from `fsdp-plot`) |
 //! | [`timeline`] | the heap sampled at the events of one step |
+//! | [`trace`] | `--trace`: when things happened, as Chrome trace events and an SVG timeline |
 //! | [`checkpoint`] | checkpoint files (re-exported from `fsdp-checkpoint`) |
 //! | [`resume`] | before training: the checkpoint flags, and a checkpoint checked against this run |
 //! | [`save`] | the collective, atomic save of a checkpoint |
@@ -48,6 +49,7 @@ pub mod save;
 pub mod session;
 pub mod stop;
 pub mod timeline;
+pub mod trace;
 
 /// The checkpoint files (crate `fsdp-checkpoint`), and the tables and charts
 /// (crate `fsdp-plot`): infrastructure, kept in crates of their own.

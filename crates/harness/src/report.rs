@@ -180,7 +180,11 @@ pub struct Report<'a, 'w> {
 }
 
 impl<'a, 'w> Report<'a, 'w> {
-    pub fn new(session: &'a Session<'w>, run: &'a Run, tally: MemoryTally) -> Self {
+    pub fn new(session: &'a Session<'w>, run: &'a Run, mut tally: MemoryTally) -> Self {
+        let trace = session.world.trace().heap_bytes();
+        if trace > 0 {
+            tally.apart("--trace: its spans", trace, 1, "storage allocated when training began");
+        }
         Self {
             session,
             run,
@@ -252,6 +256,7 @@ impl<'a, 'w> Report<'a, 'w> {
         let kept = w.gather_control(&[r.final_live as u64]);
         let rss = w.gather_control(&[crate::alloc::peak_rss_bytes().unwrap_or(0) as u64]);
         let traffic = self.traffic.clone().unwrap_or_else(|| w.traffic());
+        let traces = s.args.trace.as_ref().and_then(|_| crate::trace::gather(w));
         if !w.is_root() {
             return Ok(());
         }
@@ -307,7 +312,20 @@ impl<'a, 'w> Report<'a, 'w> {
         }
         if !secs.is_empty() {
             println!("{}", tt.render());
-            println!("measured time in collectives per step: {}\n", secs.join(", "));
+            println!("measured time in collectives per step: {}", secs.join(", "));
+            let ms = |x: f64| x / steps as f64 * 1e3;
+            let (all, exposed) = (traffic.seconds(), traffic.exposed());
+            if w.stream().is_some() {
+                println!(
+                    "measured on the communication stream, per step: {:.2} ms in collectives, {:.2} ms of it exposed (the compute thread waited), {:.0}% hidden; the stream's thread used {:.2} ms of CPU and made {} allocations in training",
+                    ms(all),
+                    ms(exposed),
+                    if all > 0.0 { 100.0 * (1.0 - exposed / all).max(0.0) } else { 0.0 },
+                    ms(traffic.cpu()),
+                    crate::alloc::stream_allocations()
+                );
+            }
+            println!();
         }
 
         let digest = final_params.map(|p| format!("{:016x}", fsdp_gpt::params::digest_f32(&p[..s.table.numel()])));
@@ -340,6 +358,7 @@ impl<'a, 'w> Report<'a, 'w> {
             "step_seconds": self.run.step_seconds,
             "expected_bytes_per_step": self.expected.iter().map(|(k, b)| (k.name().to_string(), json!(b))).collect::<serde_json::Map<_, _>>(),
             "weights_digest": digest,
+            "stream_allocations": w.stream().map(|_| crate::alloc::stream_allocations()),
             "tally": self.tally.rows.iter().map(|r| json!({"category": r.category, "elements": r.elems, "bytes": r.bytes(), "note": r.note, "held": format!("{:?}", r.held).to_lowercase()})).collect::<Vec<_>>(),
             "tally_peak_at": self.tally.peak_at,
             "tally_total_bytes": self.tally.total_bytes(),
@@ -353,7 +372,7 @@ impl<'a, 'w> Report<'a, 'w> {
             "peak_rss_bytes": rss,
             "traffic": Collective::ALL.iter().map(|k| {
                 let st = traffic.get(*k);
-                (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "seconds": st.seconds, "waited_seconds": st.waited}))
+                (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "seconds": st.seconds, "waited_seconds": st.waited, "exposed_seconds": st.exposed, "stream_cpu_seconds": st.cpu}))
             }).collect::<serde_json::Map<_, _>>(),
         });
         if let Value::Object(o) = &mut j {
@@ -390,6 +409,14 @@ impl<'a, 'w> Report<'a, 'w> {
             s.out.display(),
             if final_params.is_some() { ", weights.safetensors" } else { "" }
         );
+        if let (Some(dir), Some(traces)) = (&s.args.trace, traces) {
+            let title = format!("{} · {} rank(s)", s.lesson.package, w.size());
+            let names = crate::trace::write(dir, &title, &traces)?;
+            let dropped: usize = traces.iter().map(|t| t.dropped).sum();
+            let note =
+                if dropped > 0 { format!(" ({dropped} spans past its capacity not recorded)") } else { String::new() };
+            println!("wrote {}/{{{}}}{note}", dir.display(), names.join(", "));
+        }
         Ok(())
     }
 }

@@ -214,6 +214,9 @@ impl<'w> Session<'w> {
         }
         let (sum_groups, sum_groups_given) = crate::resume::sum_groups(&args, n, loaded.as_ref().map(|(m, _)| m))?;
         crate::resume::check_paths(world, &args)?;
+        if let Some(dir) = &args.trace {
+            crate::trace::check_dir(world, dir)?;
+        }
         let budget = args.mem_budget.map(|b| b as usize);
         crate::alloc::set_budget(budget); // building the training state counts
         let (start, resumed_from, resume_notes, first_step) = match loaded {
@@ -301,11 +304,23 @@ impl<'w> Session<'w> {
     }
 
     /// That receive buffer, allocated now, as the tallies count it (kept,
-    /// from the first step on), so that step 1 peaks where every step does.
-    pub fn reserve_receive_buffer(&self, padded: usize) {
+    /// from the first step on), so that step 1 peaks where every step does:
+    /// on the communication stream's thread when the reductions go there
+    /// (`on_stream`), else on the compute thread.
+    pub fn reserve_receive_buffer(&self, padded: usize, on_stream: bool) {
         if let Some(len) = self.receive_buffer_len(padded) {
-            self.world.reserve_receive_buffer(len);
+            let parts = self.sum_groups.per_rank() * self.world.size();
+            match on_stream {
+                true => self.world.reserve_stream_receive_buffer(len, parts),
+                false => self.world.reserve_receive_buffer(len, parts),
+            }
         }
+    }
+
+    /// Starts the world's communication stream (the overlap flags), every
+    /// rank together; an MPI without thread support is refused in one line.
+    pub fn start_stream(&self) -> anyhow::Result<()> {
+        agree(self.world, self.world.start_stream().map(|_| ()).map_err(anyhow::Error::from))
     }
 
     /// The steps left to train: `first_step..=steps`.
@@ -557,6 +572,10 @@ impl<'w> Session<'w> {
     /// start, and `--mem-budget` is checked once before the first step (does
     /// the training state alone fit?).
     pub fn start_training(&self) -> anyhow::Result<crate::Run> {
+        if self.args.trace.is_some() {
+            self.world.start_trace(); // its storage is allocated now, before the peak is measured
+            self.world.trace_step(self.first_step);
+        }
         let run = crate::Run::start(self);
         self.check_memory_budget(self.first_step - 1)?;
         Ok(run)
@@ -582,6 +601,10 @@ impl<'w> Session<'w> {
             run.leave_out_pause(); // the save is not part of the next step's time
         }
         crate::stop::step_started(step + 1);
+        self.world.trace_step(step + 1);
+        if step == self.args.steps {
+            self.world.stop_trace(); // training is over: the report's gathers are not part of it
+        }
         let Some(sig) = stop.filter(|_| step < self.args.steps) else { return Ok(()) }; // after the last step: done anyway
         if self.world.is_root() {
             let how = crate::stop::cause(sig);
@@ -727,6 +750,21 @@ impl<'w> Session<'w> {
         ]);
         for (k, v) in extra {
             t.row([k.to_string(), v.clone()]);
+        }
+        if let Some(stream) = self.world.stream() {
+            t.row([
+                "communication thread".to_string(),
+                match (stream.eager, stream.realtime) {
+                    (true, true) => "its own communicator; real-time priority (wakes at once)".into(),
+                    (true, false) => match std::env::var_os("FSDP_STREAM_NORMAL") {
+                        Some(_) => "its own communicator; default priority (FSDP_STREAM_NORMAL is set)".into(),
+                        None => "its own communicator; default priority (real-time needs root or CAP_SYS_NICE)".into(),
+                    },
+                    (false, _) => {
+                        "its own communicator; default priority, polls backing off: more ranks than cores".into()
+                    }
+                },
+            ]);
         }
         crate::print0!("{}", t.render());
         for note in &self.resume_notes {

@@ -8,6 +8,8 @@
 //! |---|---|
 //! | [`table`] | boxed text tables, and how sizes and numbers are printed |
 //! | [`plot`] | small SVG line charts |
+//! | [`timeline`] | when things happened: lanes of bars on a time axis |
 
 pub mod plot;
 pub mod table;
+pub mod timeline;

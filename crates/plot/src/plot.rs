@@ -332,7 +332,7 @@ impl Bars {
 }
 
 /// A round step near `raw`: 1, 2, 2.5 or 5 times a power of ten.
-fn nice_step(raw: f64) -> f64 {
+pub(crate) fn nice_step(raw: f64) -> f64 {
     if !(raw.is_finite() && raw > 0.0) {
         return 1.0;
     }
@@ -354,7 +354,7 @@ fn nice_step(raw: f64) -> f64 {
 }
 
 /// The multiples of `step` in `[lo, hi]` (none for a range that is not finite, or absurdly many).
-fn ticks(lo: f64, hi: f64, step: f64) -> Vec<f64> {
+pub(crate) fn ticks(lo: f64, hi: f64, step: f64) -> Vec<f64> {
     let (first, last) = ((lo / step).ceil(), (hi / step + 1e-9).floor());
     if !(first.is_finite() && last.is_finite()) || last - first > 50.0 {
         return vec![];
@@ -365,7 +365,7 @@ fn ticks(lo: f64, hi: f64, step: f64) -> Vec<f64> {
 /// A tick label with as many decimals as the step needs: "15,000", "3.5",
 /// "0.25", "2.71828"; an axis whose values are all tiny (below 0.01) in
 /// scientific notation ("-5.0e-7"). `scale` is the axis' largest magnitude.
-fn label(v: f64, step: f64, scale: f64) -> String {
+pub(crate) fn label(v: f64, step: f64, scale: f64) -> String {
     if v.abs() < step * 1e-6 {
         return "0".into();
     }
@@ -389,7 +389,7 @@ fn label(v: f64, step: f64, scale: f64) -> String {
     format!("{sign}{}{}", grouped.join(","), frac.map_or(String::new(), |f| format!(".{f}")))
 }
 
-fn esc(s: &str) -> String {
+pub(crate) fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 

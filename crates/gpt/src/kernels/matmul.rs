@@ -8,14 +8,23 @@
 //! ```
 //!
 //! Vectorising across `j` (and tiling across `i`) never changes that chain,
-//! since each SIMD lane holds its own output element, and nothing splits the
-//! contraction into blocks. So the AVX-512 path, the AVX2 path and the
-//! portable path (`f32::mul_add`, exact on every platform) give the same bits. Cache
-//! sizes change nothing either: there is no blocking over `k` to tune.
+//! since each SIMD lane holds its own output element. So the AVX-512 path,
+//! the AVX2 path and the portable path (`f32::mul_add`, exact on every
+//! platform) give the same bits.
 //!
-//! The speed comes from the classic register tile: operands packed into
-//! panels of `MR` rows of `a` and `NR` columns of `b`, and a 6 × 16 tile of
-//! accumulators (12 AVX registers) updated by 12 FMAs per step of `k`.
+//! The speed comes from BLIS's structure: operands packed into panels of
+//! `MR` rows of `a` and `NR` columns of `b`, a 6 × 16 tile of accumulators
+//! (12 AVX registers) updated by 12 FMAs per step of `k`, and the loops
+//! blocked so that what the tile reads stays in the caches — `kc` steps of
+//! the contraction at a time (a `kc`-deep panel of `b` stays in L2), `mc`
+//! rows of `a` and `nc` columns of `b` (each a block within L3), sized from
+//! the cache topology by a rule measured here ([`Blocks::from_caches`]: not
+//! BLIS's L1-sized `kc`, which measured slower at the lessons' shapes).
+//! Blocking the contraction does not split the chain: each `kc`-block
+//! *continues* it, the tile loading its accumulators from the output where
+//! the block before stored them (an f32 load and store are exact), so every
+//! element is still one chain over k in order, whatever the block sizes —
+//! which the cache sizes may therefore choose freely.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
@@ -35,15 +44,184 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a.apply_op2(b, MatMul { path: Path::Fastest })
 }
 
-/// Which tiles to use: the widest the CPU runs, or (for the tests that hold
-/// the paths against each other) a narrower one. All give the same bits.
+/// [`matmul`] through the tiles of `isa` (one this CPU runs: [`Isa::available`]),
+/// without a backward: for benchmarks of each path.
+pub fn matmul_on(a: &Tensor, b: &Tensor, isa: Isa) -> Result<Tensor> {
+    if !Isa::available().contains(&isa) {
+        bail!("this CPU does not run the {} path", isa.name());
+    }
+    a.apply_op2_no_bwd(b, &MatMul { path: Path::On(isa) })
+}
+
+/// Which tiles to use: the widest the CPU runs (or the one `FSDP_MATMUL`
+/// names, for benchmarks), or — for the tests that hold the paths against
+/// each other — a narrower one, with block sizes forced small. All give the
+/// same bits.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Path {
     Fastest,
+    On(Isa),
     #[cfg(test)]
+    Forced(Isa, Blocks),
+}
+
+/// The instruction sets the tiles are written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Avx512,
     Avx2,
-    #[cfg(test)]
     Portable,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+
+    /// Every path this CPU runs, widest first.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            if avx2 && is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+            if avx2 {
+                v.push(Isa::Avx2);
+            }
+        }
+        v.push(Isa::Portable);
+        v
+    }
+
+    /// The path the model's matmul takes: the widest this CPU runs, unless
+    /// `FSDP_MATMUL=avx2|portable` asks for a narrower one (to measure a
+    /// narrower ISA on a wider CPU: the bits are the same either way).
+    pub fn in_use() -> Isa {
+        use std::sync::OnceLock;
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            let all = Isa::available();
+            Isa::asked().unwrap_or_else(|e| refuse(&e)).unwrap_or(all[0])
+        })
+    }
+
+    /// The path `FSDP_MATMUL` asks for, if set; an error line if it names
+    /// none this CPU runs.
+    fn asked() -> std::result::Result<Option<Isa>, String> {
+        let Ok(a) = std::env::var("FSDP_MATMUL") else { return Ok(None) };
+        let all = Isa::available();
+        match all.iter().copied().find(|i| i.name() == a) {
+            Some(isa) => Ok(Some(isa)),
+            None => {
+                let names: Vec<&str> = all.iter().map(|i| i.name()).collect();
+                Err(format!("FSDP_MATMUL={a}: this CPU runs {}: set one of them, or unset it", names.join(", ")))
+            }
+        }
+    }
+}
+
+/// The matmul's measuring knobs (`FSDP_MATMUL`, `FSDP_MATMUL_BLOCKS`), read
+/// as the first matmul will read them: the line to print if one is set
+/// wrong. The lessons ask before their first collective, so that every rank
+/// stops together and rank 0 alone says why.
+pub fn check_env() -> std::result::Result<(), String> {
+    Isa::asked()?;
+    Blocks::asked()?;
+    Ok(())
+}
+
+/// A measuring knob set wrong where no lesson checked it first (a benchmark,
+/// an example): one line, and the process ends with exit code 2.
+fn refuse(line: &str) -> ! {
+    eprintln!("error: {line}");
+    std::process::exit(2)
+}
+
+// ANCHOR: blocks
+/// Block sizes, in elements: `kc` steps of the contraction, `mc` rows of
+/// `a` (a multiple of `MR`), `nc` columns of `b` (a multiple of `NR`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Blocks {
+    pub kc: usize,
+    pub mc: usize,
+    pub nc: usize,
+}
+
+impl Blocks {
+    /// The blocks for the cache sizes (bytes), chosen by measurement on a
+    /// Zen 3 core (32 KiB L1d, 512 KiB L2, a 32 MiB L3; the book's
+    /// performance appendix): the contraction is blocked only once a panel
+    /// of `b` outgrows 3/16 of L2 (1,536 steps there), and then into the
+    /// fewest equal blocks (see [`Blocks::kc_for`]); `a` and `b` are blocked
+    /// only once a block of them outgrows a quarter of L3. Blocking by L1,
+    /// as BLIS does (`kc` ≈ 256), measured 6–10% slower at every shape up to
+    /// K = 1536, where a `b` panel streamed from L2 keeps the tile fed, and
+    /// each extra k-block reloads the output's tiles; at 2048³ it measured
+    /// 10–15% faster.
+    pub fn from_caches(l2: usize, l3: usize) -> Blocks {
+        let kc = (l2 * 3 / 16 / (4 * NR)).clamp(64, 1 << 14);
+        let mc = ((l3 / 4 / (4 * kc)) / MR * MR).max(MR);
+        let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
+        Blocks { kc, mc, nc }
+    }
+    // ANCHOR_END: blocks
+
+    /// The k-block for a contraction of `k`: the fewest blocks of at most
+    /// `kc`, all of one size (the last may be shorter by less than one block count).
+    pub fn kc_for(&self, k: usize) -> usize {
+        let blocks = k.div_ceil(self.kc.max(1));
+        k.div_ceil(blocks.max(1))
+    }
+
+    /// The blocks `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets, if set (`mc`, `nc`
+    /// rounded down to whole tiles); an error line if it is not three
+    /// positive sizes.
+    fn asked() -> std::result::Result<Option<Blocks>, String> {
+        let Ok(v) = std::env::var("FSDP_MATMUL_BLOCKS") else { return Ok(None) };
+        let sizes: Vec<usize> = v.split(',').filter_map(|v| v.trim().parse().ok()).filter(|&b| b > 0).collect();
+        match sizes[..] {
+            [kc, mc, nc] if v.split(',').count() == 3 => {
+                Ok(Some(Blocks { kc, mc: (mc / MR * MR).max(MR), nc: (nc / NR * NR).max(NR) }))
+            }
+            _ => Err(format!(
+                "FSDP_MATMUL_BLOCKS={v}: give three positive sizes KC,MC,NC (e.g. 256,72,4096), or unset it"
+            )),
+        }
+    }
+
+    /// This CPU's, from /sys/devices/system/cpu/cpu0/cache (L2, L3), read
+    /// once; 512 KiB and 8 MiB where they cannot be read.
+    /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets them instead (to measure others:
+    /// the bits are the same).
+    pub fn for_this_cpu() -> Blocks {
+        use std::sync::OnceLock;
+        static BLOCKS: OnceLock<Blocks> = OnceLock::new();
+        *BLOCKS.get_or_init(|| {
+            if let Some(asked) = Blocks::asked().unwrap_or_else(|e| refuse(&e)) {
+                return asked;
+            }
+            let (mut l2, mut l3) = (512 << 10, 8 << 20);
+            for i in 0..8 {
+                let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+                let read =
+                    |f: &str| std::fs::read_to_string(format!("{dir}/{f}")).unwrap_or_default().trim().to_string();
+                let size = read("size");
+                let Some(kib) = size.strip_suffix('K').and_then(|v| v.parse::<usize>().ok()) else { continue };
+                match read("level").as_str() {
+                    "2" => l2 = kib << 10,
+                    "3" => l3 = kib << 10,
+                    _ => {}
+                }
+            }
+            Blocks::from_caches(l2, l3)
+        })
+    }
 }
 
 struct MatMul {
@@ -140,100 +318,79 @@ fn products<T: Copy>(
     if m == 0 || n == 0 || k == 0 {
         return out; // an empty sum is 0
     }
-    let (tile_fn, pair_fn) = match path {
-        Path::Fastest => fastest_tiles(),
+    let (isa, blocks) = match path {
+        Path::Fastest => (Isa::in_use(), Blocks::for_this_cpu()),
+        Path::On(isa) => (isa, Blocks::for_this_cpu()),
         #[cfg(test)]
-        Path::Avx2 => (fastest_tiles().0, None),
-        #[cfg(test)]
-        Path::Portable => (tile_portable as TileFn, None),
+        Path::Forced(isa, blocks) => (isa, blocks),
     };
+    let (tile_fn, pair_fn) = tiles(isa);
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
-    // Zeros beyond the edges stay zeros: only the valid entries are written, for every batch item.
+    let (kc, mcp, ncp) = (blocks.kc_for(k), (blocks.mc / MR).max(1), (blocks.nc / NR).max(1));
+    // Both operands packed whole, as [k-block][panel][k][row or column]: the
+    // panel of k-block k0 that the tile reads is contiguous, kb × MR or kb × NR.
     let (mut ap, mut bp) = (vec![0f32; mp * MR * k], vec![0f32; np * NR * k]);
-    let (mut tile, mut tile2) = ([0f32; MR * NR], [0f32; MR * NR]);
+    let k_blocks = || (0..k).step_by(kc).map(move |k0| (k0, kc.min(k - k0)));
+    let at_a = |k0: usize, kb: usize, p: usize| k0 * mp * MR + p * MR * kb;
+    let at_b = |k0: usize, kb: usize, q: usize| k0 * np * NR + q * NR * kb;
+    let mut edge = [0f32; MR * NR];
     for ((&ao, &bo), out) in a.batch_offsets.iter().zip(&b.batch_offsets).zip(out.chunks_exact_mut(m * n)) {
-        // Pack: panel p of a holds rows p·MR.. as [k][MR]; panel q of b
-        // holds columns q·NR.. as [k][NR]. Each is read along whichever of
-        // its dimensions is contiguous in memory (a transposed view too).
-        for (p, panel) in ap.chunks_exact_mut(MR * k).enumerate() {
-            let rows = MR.min(m - p * MR);
-            let at = ao + p * MR * a.row_stride;
-            if a.col_stride == 1 {
-                for r in 0..rows {
-                    let row = &x[at + r * a.row_stride..][..k];
-                    for (kk, &v) in row.iter().enumerate() {
-                        panel[kk * MR + r] = widen(v);
-                    }
-                }
-            } else if a.row_stride == 1 {
-                for (kk, dst) in panel.chunks_exact_mut(MR).enumerate() {
-                    let src = &x[at + kk * a.col_stride..][..rows];
-                    match rows {
-                        MR => (0..MR).for_each(|r| dst[r] = widen(src[r])), // fixed length: no memcpy call
-                        _ => dst[..rows].iter_mut().zip(src).for_each(|(d, &v)| *d = widen(v)),
-                    }
-                }
-            } else {
-                for kk in 0..k {
-                    for r in 0..rows {
-                        panel[kk * MR + r] = widen(x[at + r * a.row_stride + kk * a.col_stride]);
-                    }
-                }
+        for (k0, kb) in k_blocks() {
+            for p in 0..mp {
+                pack_a(a, x, ao, p, k0, kb, widen, &mut ap[at_a(k0, kb, p)..][..MR * kb]);
+            }
+            for q in 0..np {
+                pack_b(b, y, bo, q, k0, kb, widen, &mut bp[at_b(k0, kb, q)..][..NR * kb]);
             }
         }
-        for (q, panel) in bp.chunks_exact_mut(NR * k).enumerate() {
-            let cols = NR.min(n - q * NR);
-            let at = bo + q * NR * b.col_stride;
-            if b.col_stride == 1 {
-                for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
-                    let src = &y[at + kk * b.row_stride..][..cols];
-                    match cols {
-                        NR => (0..NR).for_each(|c| dst[c] = widen(src[c])), // fixed length: no memcpy call
-                        _ => dst[..cols].iter_mut().zip(src).for_each(|(d, &v)| *d = widen(v)),
+        for (k0, kb) in k_blocks() {
+            let load = k0 > 0; // continue each element's chain where the block before left it
+            for q0 in (0..np).step_by(ncp) {
+                for p0 in (0..mp).step_by(mcp) {
+                    for q in q0..np.min(q0 + ncp) {
+                        let bpanel = &bp[at_b(k0, kb, q)..][..NR * kb];
+                        let cols = NR.min(n - q * NR);
+                        let (mut p, p_end) = (p0, mp.min(p0 + mcp));
+                        while p < p_end {
+                            let rows = MR.min(m - p * MR);
+                            let corner = (p * MR) * n + q * NR;
+                            if load {
+                                // The next tiles' chains so far, on their way to L1 while this one computes.
+                                prefetch_rows(
+                                    out,
+                                    corner + 2 * MR * n,
+                                    n,
+                                    (2 * MR).min(m.saturating_sub((p + 2) * MR)),
+                                );
+                            }
+                            let apanel = &ap[at_a(k0, kb, p)..][..MR * kb];
+                            // Two full panels at once where the CPU has AVX-512: the same
+                            // chains, twice the accumulators in flight.
+                            let full_pair = p + 1 < p_end && cols == NR && m >= (p + 2) * MR;
+                            match pair_fn.filter(|_| full_pair) {
+                                Some(pair) => {
+                                    let apanel1 = &ap[at_a(k0, kb, p + 1)..][..MR * kb];
+                                    pair(kb, apanel, apanel1, bpanel, &mut out[corner..], n, load);
+                                    p += 2;
+                                }
+                                None if rows == MR && cols == NR => {
+                                    tile_fn(kb, apanel, bpanel, &mut out[corner..], n, load);
+                                    p += 1;
+                                }
+                                None => {
+                                    // An edge tile: through a full one, its valid part copied in and out.
+                                    for r in 0..rows {
+                                        edge[r * NR..r * NR + cols].copy_from_slice(&out[corner + r * n..][..cols]);
+                                    }
+                                    tile_fn(kb, apanel, bpanel, &mut edge, NR, load);
+                                    for r in 0..rows {
+                                        out[corner + r * n..][..cols].copy_from_slice(&edge[r * NR..r * NR + cols]);
+                                    }
+                                    p += 1;
+                                }
+                            }
+                        }
                     }
-                }
-            } else if b.row_stride != 1 {
-                for kk in 0..k {
-                    for c in 0..cols {
-                        panel[kk * NR + c] = widen(y[at + kk * b.row_stride + c * b.col_stride]);
-                    }
-                }
-            } else {
-                for c in 0..cols {
-                    let col = &y[at + c * b.col_stride..][..k];
-                    for (kk, &v) in col.iter().enumerate() {
-                        panel[kk * NR + c] = widen(v);
-                    }
-                }
-            }
-        }
-        let apanels: Vec<&[f32]> = ap.chunks_exact(MR * k).collect();
-        for (q, bpanel) in bp.chunks_exact(NR * k).enumerate() {
-            let cols = NR.min(n - q * NR);
-            let mut write = |p: usize, tile: &[f32; MR * NR]| {
-                for r in 0..MR.min(m - p * MR) {
-                    let row = (p * MR + r) * n + q * NR;
-                    let src = &tile[r * NR..r * NR + NR];
-                    match cols {
-                        // a full tile row: a fixed-size copy the compiler keeps in registers
-                        NR => copy_n::<NR>(&mut out[row..row + NR], src),
-                        _ => out[row..row + cols].copy_from_slice(&src[..cols]),
-                    }
-                }
-            };
-            let mut p = 0;
-            while p < mp {
-                // Two panels at once where the CPU has AVX-512: the same
-                // chains, twice the accumulators in flight.
-                if let (Some(pair), true) = (pair_fn, p + 1 < mp) {
-                    pair(k, apanels[p], apanels[p + 1], bpanel, &mut tile, &mut tile2);
-                    write(p, &tile);
-                    write(p + 1, &tile2);
-                    p += 2;
-                } else {
-                    tile_fn(k, apanels[p], bpanel, &mut tile);
-                    write(p, &tile);
-                    p += 1;
                 }
             }
         }
@@ -241,106 +398,225 @@ fn products<T: Copy>(
     out
 }
 
-/// `dst = src` for exactly `N` elements: a copy of known length.
+/// Asks for `rows` rows of 16 floats of `c` from `at` (row stride `ld`)
+/// to be brought into L1: a hint, no effect on any value.
 #[inline(always)]
-fn copy_n<const N: usize>(dst: &mut [f32], src: &[f32]) {
-    let (dst, src): (&mut [f32; N], &[f32; N]) =
-        (dst.try_into().expect("N elements"), src.try_into().expect("N elements"));
-    *dst = *src;
-}
-
-type TileFn = fn(usize, &[f32], &[f32], &mut [f32; MR * NR]);
-/// Two row panels against one column panel, into two tiles.
-type PairFn = fn(usize, &[f32], &[f32], &[f32], &mut [f32; MR * NR], &mut [f32; MR * NR]);
-
-/// The widest tiles the CPU runs (AVX-512, AVX2 + FMA), else the portable
-/// one: the same bits from each, only faster.
-fn fastest_tiles() -> (TileFn, Option<PairFn>) {
+fn prefetch_rows(c: &[f32], at: usize, ld: usize, rows: usize) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<(bool, bool)> = OnceLock::new();
-        let (avx2, avx512) = *HAS.get_or_init(|| {
-            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-            (avx2, avx2 && is_x86_feature_detected!("avx512f"))
-        });
-        if avx2 {
-            return (tile_avx2, avx512.then_some(pair_avx512 as PairFn));
+    for r in 0..rows {
+        if let Some(x) = c.get(at + r * ld) {
+            // SAFETY: a prefetch of an address inside `c`; it reads nothing.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((x as *const f32).cast()) };
         }
     }
-    (tile_portable, None)
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (c, at, ld, rows);
 }
 
-// ANCHOR: tile
-/// The register tile, portably: `acc = fma(a, b, acc)` for k in order.
-fn tile_portable(k: usize, ap: &[f32], bp: &[f32], tile: &mut [f32; MR * NR]) {
-    let mut acc = [0f32; MR * NR];
-    for (a, b) in ap.chunks_exact(MR).zip(bp.chunks_exact(NR)).take(k) {
-        for r in 0..MR {
-            for c in 0..NR {
-                acc[r * NR + c] = a[r].mul_add(b[c], acc[r * NR + c]);
+/// Packs rows `p·MR..` of `a`, contraction `k0..k0 + kb`, as [k][MR]: read
+/// along whichever of its dimensions is contiguous (a transposed view too).
+/// Rows past the edge are left as they are: they only feed accumulators
+/// that are never stored.
+#[allow(clippy::too_many_arguments)]
+fn pack_a<T: Copy>(
+    a: &Operand,
+    x: &[T],
+    ao: usize,
+    p: usize,
+    k0: usize,
+    kb: usize,
+    widen: impl Fn(T) -> f32,
+    panel: &mut [f32],
+) {
+    let rows = MR.min(a.rows - p * MR);
+    let at = ao + p * MR * a.row_stride + k0 * a.col_stride;
+    if a.col_stride == 1 && rows == MR {
+        // Six rows read side by side, the panel written in order.
+        let r: [&[T]; MR] = std::array::from_fn(|i| &x[at + i * a.row_stride..][..kb]);
+        for (kk, dst) in panel.chunks_exact_mut(MR).enumerate().take(kb) {
+            for i in 0..MR {
+                dst[i] = widen(r[i][kk]);
+            }
+        }
+    } else if a.col_stride == 1 {
+        for r in 0..rows {
+            let row = &x[at + r * a.row_stride..][..kb];
+            for (kk, &v) in row.iter().enumerate() {
+                panel[kk * MR + r] = widen(v);
+            }
+        }
+    } else if a.row_stride == 1 {
+        for (kk, dst) in panel.chunks_exact_mut(MR).enumerate() {
+            let src = &x[at + kk * a.col_stride..][..rows];
+            match rows {
+                MR => (0..MR).for_each(|r| dst[r] = widen(src[r])), // fixed length: no memcpy call
+                _ => dst[..rows].iter_mut().zip(src).for_each(|(d, &v)| *d = widen(v)),
+            }
+        }
+    } else {
+        for kk in 0..kb {
+            for r in 0..rows {
+                panel[kk * MR + r] = widen(x[at + r * a.row_stride + kk * a.col_stride]);
             }
         }
     }
-    *tile = acc;
+}
+
+/// Packs columns `q·NR..` of `b`, contraction `k0..k0 + kb`, as [k][NR].
+#[allow(clippy::too_many_arguments)]
+fn pack_b<T: Copy>(
+    b: &Operand,
+    y: &[T],
+    bo: usize,
+    q: usize,
+    k0: usize,
+    kb: usize,
+    widen: impl Fn(T) -> f32,
+    panel: &mut [f32],
+) {
+    let cols = NR.min(b.cols - q * NR);
+    let at = bo + q * NR * b.col_stride + k0 * b.row_stride;
+    if b.col_stride == 1 {
+        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+            let src = &y[at + kk * b.row_stride..][..cols];
+            match cols {
+                NR => (0..NR).for_each(|c| dst[c] = widen(src[c])), // fixed length: no memcpy call
+                _ => dst[..cols].iter_mut().zip(src).for_each(|(d, &v)| *d = widen(v)),
+            }
+        }
+    } else if b.row_stride != 1 {
+        for kk in 0..kb {
+            for c in 0..cols {
+                panel[kk * NR + c] = widen(y[at + kk * b.row_stride + c * b.col_stride]);
+            }
+        }
+    } else if cols == NR {
+        // Sixteen columns (rows of the transposed view) read side by side, the panel written in order.
+        let c: [&[T]; NR] = std::array::from_fn(|j| &y[at + j * b.col_stride..][..kb]);
+        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate().take(kb) {
+            for j in 0..NR {
+                dst[j] = widen(c[j][kk]);
+            }
+        }
+    } else {
+        for c in 0..cols {
+            let col = &y[at + c * b.col_stride..][..kb];
+            for (kk, &v) in col.iter().enumerate() {
+                panel[kk * NR + c] = widen(v);
+            }
+        }
+    }
+}
+
+/// One tile: `k` steps of the chains of its MR × NR elements, whose
+/// accumulators start from `c` (row stride `ldc`) when `load`, from 0
+/// otherwise, and end in `c`.
+type TileFn = fn(usize, &[f32], &[f32], &mut [f32], usize, bool);
+/// Two row panels against one column panel: the two tiles one above the other in `c`.
+type PairFn = fn(usize, &[f32], &[f32], &[f32], &mut [f32], usize, bool);
+
+/// The tiles of `isa`: the same bits from each, only faster.
+fn tiles(isa: Isa) -> (TileFn, Option<PairFn>) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => (tile_avx2, Some(pair_avx512)),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => (tile_avx2, None),
+        _ => (tile_portable, None),
+    }
+}
+
+// ANCHOR: tile
+/// The register tile, portably: `acc = fma(a, b, acc)` for k in order,
+/// `acc` starting from the output's values when `load` (the chain so far).
+fn tile_portable(k: usize, ap: &[f32], bp: &[f32], c: &mut [f32], ldc: usize, load: bool) {
+    let mut acc = [0f32; MR * NR];
+    if load {
+        (0..MR).for_each(|r| acc[r * NR..][..NR].copy_from_slice(&c[r * ldc..][..NR]));
+    }
+    for (a, b) in ap.chunks_exact(MR).zip(bp.chunks_exact(NR)).take(k) {
+        for r in 0..MR {
+            for col in 0..NR {
+                acc[r * NR + col] = a[r].mul_add(b[col], acc[r * NR + col]);
+            }
+        }
+    }
+    (0..MR).for_each(|r| c[r * ldc..][..NR].copy_from_slice(&acc[r * NR..][..NR]));
 }
 // ANCHOR_END: tile
 
 #[cfg(target_arch = "x86_64")]
-fn tile_avx2(k: usize, ap: &[f32], bp: &[f32], tile: &mut [f32; MR * NR]) {
-    assert!(ap.len() >= k * MR && bp.len() >= k * NR);
+fn tile_avx2(k: usize, ap: &[f32], bp: &[f32], c: &mut [f32], ldc: usize, load: bool) {
+    assert!(ap.len() >= k * MR && bp.len() >= k * NR && c.len() >= (MR - 1) * ldc + NR);
     // SAFETY: chosen only where the CPU has AVX2 and FMA; the loads stay
-    // within the panels (checked above) and the stores within `tile`.
-    unsafe { tile_avx2_inner(k, ap.as_ptr(), bp.as_ptr(), tile.as_mut_ptr()) }
+    // within the panels and `c` (checked above), the stores within `c`.
+    unsafe { tile_avx2_inner(k, ap.as_ptr(), bp.as_ptr(), c.as_mut_ptr(), ldc, load) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2_inner(k: usize, ap: *const f32, bp: *const f32, tile: *mut f32) {
+unsafe fn tile_avx2_inner(k: usize, ap: *const f32, bp: *const f32, c: *mut f32, ldc: usize, load: bool) {
     use std::arch::x86_64::*;
     unsafe {
-        let mut c = [[_mm256_setzero_ps(); 2]; MR];
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        if load {
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = [_mm256_loadu_ps(c.add(r * ldc)), _mm256_loadu_ps(c.add(r * ldc + 8))];
+            }
+        }
         for p in 0..k {
             let b0 = _mm256_loadu_ps(bp.add(p * NR));
             let b1 = _mm256_loadu_ps(bp.add(p * NR + 8));
-            for (r, acc) in c.iter_mut().enumerate() {
-                let a = _mm256_broadcast_ss(&*ap.add(p * MR + r));
-                acc[0] = _mm256_fmadd_ps(a, b0, acc[0]);
-                acc[1] = _mm256_fmadd_ps(a, b1, acc[1]);
+            for (r, a) in acc.iter_mut().enumerate() {
+                let x = _mm256_broadcast_ss(&*ap.add(p * MR + r));
+                a[0] = _mm256_fmadd_ps(x, b0, a[0]);
+                a[1] = _mm256_fmadd_ps(x, b1, a[1]);
             }
         }
-        for (r, acc) in c.iter().enumerate() {
-            _mm256_storeu_ps(tile.add(r * NR), acc[0]);
-            _mm256_storeu_ps(tile.add(r * NR + 8), acc[1]);
+        for (r, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(c.add(r * ldc), a[0]);
+            _mm256_storeu_ps(c.add(r * ldc + 8), a[1]);
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-fn pair_avx512(k: usize, ap0: &[f32], ap1: &[f32], bp: &[f32], t0: &mut [f32; MR * NR], t1: &mut [f32; MR * NR]) {
-    assert!(ap0.len() >= k * MR && ap1.len() >= k * MR && bp.len() >= k * NR);
+fn pair_avx512(k: usize, ap0: &[f32], ap1: &[f32], bp: &[f32], c: &mut [f32], ldc: usize, load: bool) {
+    assert!(ap0.len() >= k * MR && ap1.len() >= k * MR && bp.len() >= k * NR && c.len() >= (2 * MR - 1) * ldc + NR);
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
-    // panels (checked above), stores within the tiles.
-    unsafe { pair_avx512_inner(k, ap0.as_ptr(), ap1.as_ptr(), bp.as_ptr(), t0.as_mut_ptr(), t1.as_mut_ptr()) }
+    // panels and `c` (checked above), stores within `c`.
+    unsafe { pair_avx512_inner(k, ap0.as_ptr(), ap1.as_ptr(), bp.as_ptr(), c.as_mut_ptr(), ldc, load) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn pair_avx512_inner(k: usize, ap0: *const f32, ap1: *const f32, bp: *const f32, t0: *mut f32, t1: *mut f32) {
+unsafe fn pair_avx512_inner(
+    k: usize,
+    ap0: *const f32,
+    ap1: *const f32,
+    bp: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+) {
     use std::arch::x86_64::*;
     unsafe {
-        // 12 rows × 16 columns: one 16-lane register per row.
-        let mut c = [_mm512_setzero_ps(); 2 * MR];
+        // 12 rows × 16 columns: one 16-lane register per row (the second panel's rows below the first's).
+        let mut acc = [_mm512_setzero_ps(); 2 * MR];
+        if load {
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(c.add(r * ldc));
+            }
+        }
         for p in 0..k {
             let b = _mm512_loadu_ps(bp.add(p * NR));
             for r in 0..MR {
-                c[r] = _mm512_fmadd_ps(_mm512_set1_ps(*ap0.add(p * MR + r)), b, c[r]);
-                c[MR + r] = _mm512_fmadd_ps(_mm512_set1_ps(*ap1.add(p * MR + r)), b, c[MR + r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*ap0.add(p * MR + r)), b, acc[r]);
+                acc[MR + r] = _mm512_fmadd_ps(_mm512_set1_ps(*ap1.add(p * MR + r)), b, acc[MR + r]);
             }
         }
-        for r in 0..MR {
-            _mm512_storeu_ps(t0.add(r * NR), c[r]);
-            _mm512_storeu_ps(t1.add(r * NR), c[MR + r]);
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(c.add(r * ldc), *a);
         }
     }
 }
@@ -392,11 +668,25 @@ mod tests {
         (0..m * n).map(|e| (0..k).fold(0f32, |acc, kk| a[(e / n) * k + kk].mul_add(b[kk * n + e % n], acc))).collect()
     }
 
+    /// Every path the CPU runs, each with this CPU's blocks and with blocks
+    /// forced small (so that edge blocks and several k-blocks are exercised).
+    fn paths() -> Vec<Path> {
+        let small =
+            [Blocks { kc: 7, mc: 6, nc: 16 }, Blocks { kc: 5, mc: 12, nc: 32 }, Blocks { kc: 64, mc: 18, nc: 48 }];
+        Isa::available()
+            .into_iter()
+            .flat_map(|isa| std::iter::once(Blocks::for_this_cpu()).chain(small).map(move |b| Path::Forced(isa, b)))
+            .chain([Path::Fastest])
+            .collect()
+    }
+
     #[test]
     fn every_element_is_one_fma_chain_in_order() {
         // Edges in every direction: M, N not multiples of the tile, K long
-        // enough that any blocking over k would show.
-        for &(m, k, n) in &[(1, 1, 1), (7, 3, 17), (13, 1536, 33), (64, 128, 65), (6, 0, 16)] {
+        // enough that a chain split into k-blocks would show if it were not continued.
+        for &(m, k, n) in
+            &[(1, 1, 1), (7, 3, 17), (13, 1536, 33), (64, 128, 65), (6, 0, 16), (30, 300, 50), (25, 17, 80)]
+        {
             let (a, b) = (random(&[m, k], 1), random(&[k, n], 2));
             let want = reference(
                 &a.flatten_all().unwrap().to_vec1().unwrap(),
@@ -406,10 +696,42 @@ mod tests {
                 n,
             );
             let want: Vec<u32> = want.into_iter().map(f32::to_bits).collect();
-            for path in [Path::Fastest, Path::Avx2, Path::Portable] {
+            for path in paths() {
                 assert_eq!(bits(&a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap()), want, "{path:?}, {m}×{k}×{n}");
             }
         }
+    }
+
+    #[test]
+    fn every_path_takes_any_strides_and_batches_with_the_same_bits() {
+        // (B, H, T, hs) @ (B, H, hs, T) through a transposed view, as attention does, and aᵀ @ g as a backward does.
+        let q = random(&[2, 3, 20, 8], 3);
+        let k = random(&[2, 3, 20, 8], 4);
+        let at = random(&[40, 70], 5);
+        let g = random(&[40, 23], 6);
+        let want = (
+            bits(&matmul(&q, &k.t().unwrap().contiguous().unwrap()).unwrap()),
+            bits(&matmul(&at.t().unwrap().contiguous().unwrap(), &g).unwrap()),
+        );
+        for path in paths() {
+            let op = MatMul { path };
+            assert_eq!(bits(&q.apply_op2_no_bwd(&k.t().unwrap(), &op).unwrap()), want.0, "{path:?}");
+            assert_eq!(bits(&at.t().unwrap().apply_op2_no_bwd(&g, &op).unwrap()), want.1, "{path:?}");
+        }
+    }
+
+    #[test]
+    fn blocks_follow_the_caches() {
+        // A Zen 3 core: 32 KiB L1d, 512 KiB L2, 32 MiB L3.
+        let b = Blocks::from_caches(512 << 10, 32 << 20);
+        assert_eq!(b, Blocks { kc: 1536, mc: 1362, nc: 1360 });
+        assert_eq!(b.mc % MR + b.nc % NR, 0);
+        // A kc-deep panel of b: 3/16 of L2.
+        assert_eq!(4 * b.kc * NR, (512 << 10) * 3 / 16);
+        // The contraction in the fewest equal blocks: 1536 whole, 2048 in two, 4000 in three.
+        assert_eq!((b.kc_for(1536), b.kc_for(2048), b.kc_for(4000), b.kc_for(7)), (1536, 1024, 1334, 7));
+        let tiny = Blocks::from_caches(1, 1);
+        assert_eq!(tiny, Blocks { kc: 64, mc: MR, nc: NR }, "at least one tile");
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //!
 //! | kernel | what it computes | its one order |
 //! |---|---|---|
-//! | [`matmul`] | `a @ b`, batched, any strides; f32, bf16 (widened), f64 | each output element is one chain of fused multiply-adds over `k = 0, 1, …, K−1`, starting from 0 |
+//! | [`matmul`] | `a @ b`, batched, any strides; f32, bf16 (widened), f64; blocked by the cache sizes ([`Blocks`]), tiled per instruction set ([`Isa`]) | each output element is one chain of fused multiply-adds over `k = 0, 1, …, K−1`, starting from 0, each k-block continuing it |
 //! | [`layer_norm`] | LayerNorm over the last dimension, forward and backward one pass each | each row's sums over `c = 0, 1, …, C−1`; `dw`, `db` over the rows in order |
 //! | [`linear`] | `x · wᵀ + b`, one op | [`matmul`]'s chains, [`bias_add`]'s row sums: their bits |
 //! | [`bias_add`] | a linear layer's `x + b`; its backward sums the gradient over the rows | `db` over the rows in order |
@@ -28,6 +28,6 @@ mod softmax;
 pub use attention::{Probs, attention, attention_with};
 pub use layer_norm::layer_norm;
 pub use linear::linear;
-pub use matmul::matmul;
+pub use matmul::{Blocks, Isa, check_env as check_matmul_env, matmul, matmul_on};
 pub use pointwise::{bias_add, gelu};
 pub use softmax::causal_softmax;

@@ -1,0 +1,532 @@
+//! The communication stream: collectives on a thread of their own, the CPU
+//! analogue of FSDP2's all-gather and reduce-scatter CUDA streams.
+//!
+//! The compute thread hands a collective over with its buffers (owned
+//! `Vec`s: nothing is borrowed across threads), goes on computing, and waits
+//! only where it needs the result ([`Pending::wait`]). The stream's thread
+//! runs the collectives one after another, in the order they were handed
+//! over, on its own duplicate of the world's communicator, with the same
+//! code as the blocking calls ([`Comm`]): the same sums, only earlier or
+//! later, so the same bits.
+//!
+//! Open MPI moves a non-blocking collective only inside MPI calls made by
+//! some thread of the process (it has no progress thread of its own), so the
+//! stream's thread must keep calling `MPI_Test`. A blocking call would spin
+//! inside MPI and take half of the core the compute thread runs on; here the
+//! thread polls, then sleeps between polls — 10 µs, doubling up to 200 µs
+//! while the compute thread computes ([`Policy`]; `FSDP_POLL_US=FIRST,MOST`
+//! to measure others), every 10 µs while it is blocked waiting
+//! ([`Progress`]). It asks for the real-time policy, so that it runs the
+//! moment it wakes instead of after the compute thread's time slice (without
+//! root it keeps the default; `FSDP_STREAM_NORMAL` set to any value
+//! declines it, to measure). Its CPU time per collective is measured with the thread's own
+//! clock and reported.
+//!
+//! Two rules keep the heap a function of the program's order, so that the
+//! lessons' tallies still explain the measured peak: the stream's thread
+//! never allocates or frees (buffers come with the collective and go back
+//! with its result; its receive buffer is reserved up front), and the slots
+//! collectives travel in are allocated once, when the stream starts.
+use std::any::Any;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use mpi::request::{Request, Scope};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use crate::comm::{Comm, RankSum};
+use crate::trace::Lane;
+use crate::traffic::{Collective, Times};
+
+/// How the stream's thread waits for MPI while a collective is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    /// The first sleep between two polls …
+    pub first: Duration,
+    /// … doubled after each poll, up to this.
+    pub most: Duration,
+    /// Whether the thread has a core to itself while the compute thread
+    /// waits: then it polls every `first` and runs at real-time priority.
+    /// Not when the node runs more ranks than it has cores (oversubscribed):
+    /// a poll every 10 µs at real-time priority would take the core from
+    /// the other rank's compute — measured here, 4 ranks on 2 cores ran 4×
+    /// slower — so it backs off then as well, at the default priority.
+    pub eager: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self { first: Duration::from_micros(10), most: Duration::from_micros(200), eager: !oversubscribed() }
+    }
+}
+
+impl Policy {
+    /// The default, or `FSDP_POLL_US=FIRST,MOST` (microseconds; for
+    /// measuring other policies); an error line if that is set wrong (the
+    /// lessons check it before their first collective, [`Policy::check_env`]).
+    pub fn from_env() -> Result<Self, String> {
+        let d = Self::default();
+        let Ok(v) = std::env::var("FSDP_POLL_US") else { return Ok(d) };
+        let us: Vec<u64> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        match us[..] {
+            [first, most] if first > 0 && most >= first && v.split(',').count() == 2 => {
+                Ok(Self { first: Duration::from_micros(first), most: Duration::from_micros(most), ..d })
+            }
+            _ => Err(format!(
+                "FSDP_POLL_US={v}: give FIRST,MOST in microseconds, 0 < FIRST ≤ MOST (e.g. 10,200), or unset it"
+            )),
+        }
+    }
+
+    /// The line to print if `FSDP_POLL_US` is set wrong.
+    pub fn check_env() -> Result<(), String> {
+        Self::from_env().map(|_| ())
+    }
+}
+
+/// Whether this node runs more ranks (Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`)
+/// than it gives them cores. The node's cores are those its launcher (my
+/// parent, `mpirun` or its daemon) may run on: under `--bind-to core` my
+/// own mask is one core even when every rank has its own.
+fn oversubscribed() -> bool {
+    let local: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let mine = std::thread::available_parallelism().map_or(1, |n| n.get());
+    local > mine.max(cores_of(unsafe { libc::getppid() }))
+}
+
+/// How many cores process `pid` may run on (0 if unknown).
+fn cores_of(pid: libc::pid_t) -> usize {
+    // SAFETY: a zeroed cpu_set_t is valid; the kernel fills at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    match unsafe { libc::sched_getaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } {
+        0 => unsafe { libc::CPU_COUNT(&set) as usize },
+        _ => 0,
+    }
+}
+
+thread_local! {
+    static ON_STREAM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a communication stream's: a counting
+/// allocator asks, to show that the stream allocates nothing while it runs.
+pub fn on_stream_thread() -> bool {
+    ON_STREAM.try_with(|on| on.get()).unwrap_or(false)
+}
+
+/// Drives a stream's non-blocking collectives to completion.
+pub struct Progress {
+    /// The slot (+ 1) the compute thread is blocked on, 0 while it computes.
+    /// While it is blocked the core is idle but for us, and the polls come
+    /// close together; the stream's thread clears it when it finishes that
+    /// slot, since the compute thread is then waking, and wants the core back.
+    waiting_for: AtomicUsize,
+    /// The stream's thread, woken from its sleep when a wait begins.
+    thread: OnceLock<Thread>,
+    policy: Policy,
+}
+
+impl Progress {
+    /// Polls `request` until it completes.
+    pub(crate) fn drive<'a, D: ?Sized, S: Scope<'a>>(&self, mut request: Request<'a, D, S>) {
+        let mut sleep = self.policy.first;
+        loop {
+            match request.test() {
+                Ok(_) => return,
+                Err(r) => request = r,
+            }
+            if self.policy.eager && self.waiting_for.load(Ordering::Acquire) > 0 {
+                // The compute thread waits for us: poll often — but sleep between polls,
+                // never spin, so that a rank sharing the core (oversubscribed) still runs.
+                std::thread::park_timeout(self.policy.first);
+            } else {
+                std::thread::park_timeout(sleep); // the compute thread computes: leave it the core
+                sleep = (sleep * 2).min(self.policy.most);
+            }
+        }
+    }
+}
+
+/// A collective and its buffers, as it travels to the stream's thread and back.
+#[doc(hidden)]
+pub enum Op {
+    Empty,
+    Reserve(usize, usize),
+    GatherF32 { mine: Vec<f32>, all: Vec<f32> },
+    GatherU16 { mine: Vec<u16>, all: Vec<u16> },
+    ReduceScatter { send: Vec<f32>, groups: usize, mine: Vec<f32>, rank_sum: RankSum },
+    AllReduce { buf: Vec<f32>, groups: usize, shard: Vec<f32>, rank_sum: RankSum },
+}
+
+impl Op {
+    fn run(&mut self, c: &Comm) {
+        match self {
+            Op::Empty => {}
+            Op::Reserve(len, parts) => c.reserve_receive_buffer(*len, *parts),
+            Op::GatherF32 { mine, all } => c.all_gather_untimed(&mine[..], &mut all[..]),
+            Op::GatherU16 { mine, all } => c.all_gather_untimed(&mine[..], &mut all[..]),
+            Op::ReduceScatter { send, groups, mine, rank_sum } => {
+                c.reduce_scatter_packed(send, *groups, mine, *rank_sum)
+            }
+            Op::AllReduce { buf, groups, shard, rank_sum } => c.all_reduce_packed(buf, *groups, shard, *rank_sum),
+        }
+    }
+}
+
+/// The element types an all-gather on the stream moves.
+pub trait Wire: Equivalence + Copy + Default + Send + 'static {
+    #[doc(hidden)]
+    fn gather(mine: Vec<Self>, all: Vec<Self>) -> Op;
+    #[doc(hidden)]
+    fn gathered(op: Op) -> Vec<Self>;
+}
+
+impl Wire for f32 {
+    fn gather(mine: Vec<Self>, all: Vec<Self>) -> Op {
+        Op::GatherF32 { mine, all }
+    }
+    fn gathered(op: Op) -> Vec<Self> {
+        match op {
+            Op::GatherF32 { all, .. } => all,
+            _ => unreachable!("an f32 all-gather's slot holds its op"),
+        }
+    }
+}
+
+impl Wire for u16 {
+    fn gather(mine: Vec<Self>, all: Vec<Self>) -> Op {
+        Op::GatherU16 { mine, all }
+    }
+    fn gathered(op: Op) -> Vec<Self> {
+        match op {
+            Op::GatherU16 { all, .. } => all,
+            _ => unreachable!("a u16 all-gather's slot holds its op"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Free,
+    Queued,
+    Done,
+}
+
+struct SlotState {
+    phase: Phase,
+    op: Op,
+    /// When the stream's thread ran it, and its CPU seconds.
+    ran: (Instant, Instant, f64),
+    panic: Option<Box<dyn Any + Send>>,
+}
+
+struct Slot {
+    state: Mutex<SlotState>,
+    done: Condvar,
+}
+
+/// Collectives in flight at once, at most: lessons 03 and 04 keep two or
+/// three, lesson 01's buckets one per bucket.
+pub const SLOTS: usize = 64;
+
+struct Queue {
+    order: VecDeque<usize>,
+    stop: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    work: Condvar,
+    slots: Vec<Slot>,
+    progress: Arc<Progress>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The communication thread of one rank, and its communicator.
+pub struct Stream {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    /// Whether its thread got the real-time policy ([`first_in_line`]).
+    pub realtime: bool,
+    /// Whether it polls eagerly while the compute thread waits ([`Policy::eager`]).
+    pub eager: bool,
+}
+
+impl Stream {
+    /// Starts the thread, which duplicates the world's communicator (a
+    /// collective over the world: every rank starts its stream together)
+    /// while this thread waits for it.
+    pub(crate) fn start(policy: Policy) -> Self {
+        let progress = Arc::new(Progress { waiting_for: AtomicUsize::new(0), thread: OnceLock::new(), policy });
+        let slots = (0..SLOTS)
+            .map(|_| Slot {
+                state: Mutex::new(SlotState {
+                    phase: Phase::Free,
+                    op: Op::Empty,
+                    ran: (Instant::now(), Instant::now(), 0.0),
+                    panic: None,
+                }),
+                done: Condvar::new(),
+            })
+            .collect();
+        let queue = Queue { order: VecDeque::with_capacity(SLOTS), stop: false };
+        let shared = Arc::new(Shared { queue: Mutex::new(queue), work: Condvar::new(), slots, progress });
+        let (ready, started) = std::sync::mpsc::channel();
+        let on_thread = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("fsdp-comm".into())
+            .spawn(move || {
+                ON_STREAM.with(|on| on.set(true));
+                precise_sleeps();
+                let _ = on_thread.progress.thread.set(std::thread::current());
+                // The dup is a blocking collective, which Open MPI spins in: at the default
+                // priority, so that it cannot take the core from the compute thread of a rank
+                // that shares it; real-time only afterwards.
+                let comm = Comm::new(SimpleCommunicator::world().duplicate(), false, Some(on_thread.progress.clone()));
+                let realtime = policy.eager && first_in_line();
+                let _ = ready.send(realtime);
+                serve(&comm, &on_thread);
+            })
+            .expect("the communication thread starts");
+        let realtime = started.recv().expect("the communication thread reports its communicator");
+        Self { shared, thread: Some(thread), realtime, eager: policy.eager }
+    }
+
+    /// Hands `op` over; it runs after every collective handed over before it.
+    fn submit(&self, op: Op) -> usize {
+        let mut op = Some(op);
+        let slot = self.shared.slots.iter().position(|s| {
+            let mut st = lock(&s.state);
+            if st.phase != Phase::Free {
+                return false;
+            }
+            (st.phase, st.op, st.panic) = (Phase::Queued, op.take().expect("one op"), None);
+            true
+        });
+        let slot = slot.unwrap_or_else(|| panic!("more than {SLOTS} collectives in flight on the stream"));
+        lock(&self.shared.queue).order.push_back(slot); // within its capacity: no allocation
+        self.shared.work.notify_one();
+        slot
+    }
+}
+
+impl Shared {
+    /// Blocks until `slot` is done; returns its op, when it ran, and a panic it raised.
+    #[allow(clippy::type_complexity)]
+    fn finish(&self, slot: usize) -> (Op, (Instant, Instant, f64), Option<Box<dyn Any + Send>>) {
+        let s = &self.slots[slot];
+        let mut st = lock(&s.state);
+        if st.phase != Phase::Done {
+            let p = &self.progress;
+            p.waiting_for.store(slot + 1, Ordering::Release);
+            if let Some(t) = p.thread.get() {
+                t.unpark(); // from its sleep between polls: we wait now
+            }
+            while st.phase != Phase::Done {
+                st = s.done.wait(st).unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
+            let _ = p.waiting_for.compare_exchange(slot + 1, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+        st.phase = Phase::Free;
+        (std::mem::replace(&mut st.op, Op::Empty), st.ran, st.panic.take())
+    }
+}
+
+impl Stream {
+    /// Allocates the stream's receive buffer for the ordered reductions now
+    /// (see [`Comm::reserve_receive_buffer`]), so that its thread never allocates later.
+    pub(crate) fn reserve_receive_buffer(&self, len: usize, parts: usize) {
+        let slot = self.submit(Op::Reserve(len, parts));
+        let (_, _, panic) = self.shared.finish(slot);
+        if let Some(p) = panic {
+            std::panic::resume_unwind(p);
+        }
+    }
+
+    /// Hands over an all-gather of `mine` into `all` (N · `mine.len()`).
+    pub(crate) fn all_gather<T: Wire>(&self, rec: &Comm, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
+        assert_eq!(all.len(), mine.len() * rec.size(), "all_gather: output must hold N shards");
+        let bytes = rec.all_gather_bytes(&mine);
+        self.pending(T::gather(mine, all), Collective::AllGather, bytes, T::gathered)
+    }
+
+    /// Hands `op` over and returns its [`Pending`].
+    fn pending<T>(&self, op: Op, kind: Collective, bytes: usize, take: fn(Op) -> T) -> Pending<T> {
+        let issued = Instant::now(); // before the stream's thread may start it
+        let slot = self.submit(op);
+        Pending { shared: self.shared.clone(), slot, kind, bytes, label: None, take, waited: false, issued }
+    }
+
+    /// Hands over an ordered reduce-scatter of `groups` sums packed in `send`
+    /// (see `Comm::reduce_scatter_packed`); returns `mine`, my shard of the sum.
+    pub(crate) fn reduce_scatter(
+        &self,
+        rec: &Comm,
+        send: Vec<f32>,
+        groups: usize,
+        mine: Vec<f32>,
+    ) -> Pending<Vec<f32>> {
+        let bytes = groups * (rec.size() - 1) * mine.len() * 4;
+        let op = Op::ReduceScatter { send, groups, mine, rank_sum: rec.rank_sum() };
+        self.pending(op, Collective::ReduceScatter, bytes, |op| match op {
+            // `send` is freed here, in the wait, on the compute thread.
+            Op::ReduceScatter { mine, .. } => mine,
+            _ => unreachable!("a reduce-scatter's slot holds its op"),
+        })
+    }
+
+    /// Hands over an ordered all-reduce of `groups` sums packed in `buf`:
+    /// returns (`buf`, whose first N · `shard.len()` elements are the sum, `shard`).
+    pub(crate) fn all_reduce(
+        &self,
+        rec: &Comm,
+        buf: Vec<f32>,
+        groups: usize,
+        shard: Vec<f32>,
+    ) -> Pending<(Vec<f32>, Vec<f32>)> {
+        let bytes = (groups + 1) * (rec.size() - 1) * shard.len() * 4;
+        let op = Op::AllReduce { buf, groups, shard, rank_sum: rec.rank_sum() };
+        self.pending(op, Collective::AllReduce, bytes, |op| match op {
+            Op::AllReduce { buf, shard, .. } => (buf, shard),
+            _ => unreachable!("an all-reduce's slot holds its op"),
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        lock(&self.shared.queue).stop = true;
+        self.shared.work.notify_one();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The stream's thread: runs what is handed over, in order, until stopped.
+fn serve(comm: &Comm, shared: &Shared) {
+    loop {
+        let slot = {
+            let mut q = lock(&shared.queue);
+            loop {
+                if let Some(i) = q.order.pop_front() {
+                    break i;
+                }
+                if q.stop {
+                    return;
+                }
+                q = shared.work.wait(q).unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
+        };
+        let s = &shared.slots[slot];
+        let mut op = std::mem::replace(&mut lock(&s.state).op, Op::Empty);
+        let (t0, cpu0) = (Instant::now(), thread_cpu_seconds());
+        // A panic inside (an exercise's stub in the rank sum) goes back to
+        // the compute thread, which raises it where it waits.
+        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op.run(comm))).err();
+        let ran = (t0, Instant::now(), thread_cpu_seconds() - cpu0);
+        let mut st = lock(&s.state);
+        (st.op, st.ran, st.panic, st.phase) = (op, ran, panic, Phase::Done);
+        // The compute thread, if it waits for this one, wakes now: it is not blocked any more.
+        let _ = shared.progress.waiting_for.compare_exchange(slot + 1, 0, Ordering::AcqRel, Ordering::Acquire);
+        s.done.notify_all();
+    }
+}
+
+/// A collective in flight on the stream. [`Pending::wait`] gives its result
+/// and records its bytes and times in the world's traffic; dropped without
+/// a wait (a step unwinding), it is still waited for, so no buffer is freed
+/// while MPI may write it.
+#[must_use = "a collective in flight must be waited for"]
+pub struct Pending<T> {
+    shared: Arc<Shared>,
+    slot: usize,
+    kind: Collective,
+    bytes: usize,
+    label: Option<String>,
+    take: fn(Op) -> T,
+    waited: bool,
+    /// When it was handed over.
+    issued: Instant,
+}
+
+impl<T> Pending<T> {
+    /// Names the collective in the trace (`label` runs only when `rec` traces).
+    pub fn label(mut self, rec: &Comm, label: impl FnOnce() -> String) -> Self {
+        if rec.trace.borrow().is_on() {
+            self.label = Some(label());
+        }
+        self
+    }
+
+    /// Blocks until the collective has finished; returns its buffers, and
+    /// records it in `rec`'s traffic (the world's). The time blocked is its
+    /// *exposed* time; a panic on the stream is raised here.
+    pub fn wait(mut self, rec: &Comm) -> T {
+        self.waited = true;
+        let t0 = Instant::now();
+        let (op, (start, end, cpu), panic) = self.shared.finish(self.slot);
+        let t1 = Instant::now();
+        if let Some(p) = panic {
+            std::panic::resume_unwind(p);
+        }
+        let times = Times { seconds: (end - start).as_secs_f64(), waited: 0.0, exposed: (t1 - t0).as_secs_f64(), cpu };
+        rec.record(self.kind, self.bytes, self.bytes, times);
+        let mut trace = rec.trace.borrow_mut();
+        if trace.is_on() {
+            // Its span on the communication lane, and the wait for it on the
+            // compute thread's (however short: where the step needed it).
+            let (name, op) = (self.label.as_deref().unwrap_or(self.kind.name()), trace.next_op());
+            trace.span_of(Lane::Comm, name, start, end, self.bytes as u64, op, self.issued);
+            trace.span_of(Lane::Compute, &format!("wait {name}"), t0, t1, 0, op, self.issued);
+        }
+        drop(trace);
+        (self.take)(op)
+    }
+}
+
+impl<T> Drop for Pending<T> {
+    fn drop(&mut self) {
+        if !self.waited {
+            let _ = self.shared.finish(self.slot); // its buffers are dropped here, on this thread
+        }
+    }
+}
+
+/// This thread's CPU time, in seconds (Linux's per-thread clock).
+pub fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Asks the scheduler to run this thread the moment it wakes
+/// (`SCHED_FIFO`, the lowest real-time priority): it sleeps nearly always,
+/// and each time it wakes MPI has something to do for a few microseconds.
+/// Under Linux's default policy a thread woken on a core where the compute
+/// thread runs waited up to 9 ms for its turn (measured here), with the
+/// wire idle meanwhile. It needs root or CAP_SYS_NICE; without, the thread
+/// keeps the default policy (and the config table says so).
+fn first_in_line() -> bool {
+    if std::env::var_os("FSDP_STREAM_NORMAL").is_some() {
+        return false;
+    }
+    let p = libc::sched_param { sched_priority: 1 };
+    // SAFETY: sets this thread's own scheduling policy.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) == 0 }
+}
+
+/// Sleeps of this thread end within a microsecond of their time, not
+/// Linux's default 50 µs later: the sleeps between polls are that short.
+fn precise_sleeps() {
+    // SAFETY: prctl with PR_SET_TIMERSLACK only sets this thread's slack.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64) };
+}
