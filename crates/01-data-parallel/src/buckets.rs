@@ -161,10 +161,28 @@ impl Buckets {
         }
     }
 
+    /// A session's buckets for its model, world and sum groups, over the flat
+    /// vector padded to `padded`, each of at least `cap` bytes.
+    pub fn for_session(s: &Session, padded: usize, cap: usize) -> Self {
+        Self::new(&s.table, s.cfg.n_layer, padded, s.world.size(), s.sum_groups.per_rank(), cap)
+    }
+
+    /// The all-to-all receive buffer for the largest bucket, on the stream's
+    /// thread, where its reduce-scatters run.
+    pub fn reserve_receive_buffer(&self, s: &Session) {
+        s.reserve_receive_buffer(self.largest(), true);
+    }
+
     /// Waits for every bucket's all-reduce and copies its sum back into
-    /// `sum`, the padded flat gradient: afterwards it holds the sum over all
+    /// `grads`' one padded flat vector: afterwards it holds the sum over all
     /// ranks, as the ordered all-reduce of the whole vector leaves it.
-    pub fn wait_all(&mut self, w: &World, sum: &mut [f32]) {
+    pub fn all_reduced<'a>(&mut self, w: &World, grads: &'a mut MicroBatchSum) -> &'a mut [f32] {
+        let sum = &mut grads.sums()[0];
+        self.wait_all(w, sum);
+        &mut sum[..]
+    }
+
+    fn wait_all(&mut self, w: &World, sum: &mut [f32]) {
         assert_eq!(sum.len(), self.padded, "the buckets cover the padded vector");
         for b in &mut self.list {
             let (buf, shard) = b.in_flight.take().expect("every bucket was handed over in the backward").wait(w);

@@ -63,8 +63,7 @@ impl DataParallel {
     ) -> anyhow::Result<Self> {
         let numel = s.table.numel();
         let layout = ShardLayout::new(numel, s.world.size());
-        let (n, groups) = (s.world.size(), s.sum_groups.per_rank());
-        let buckets = bucket_bytes.map(|cap| Buckets::new(&s.table, s.cfg.n_layer, layout.padded, n, groups, cap));
+        let buckets = bucket_bytes.map(|cap| Buckets::for_session(s, layout.padded, cap));
         // The same seed (or checkpoint), the same bits, on every rank: kept whole.
         let (params, moments) = start.into_parts()?;
         let mut opt = AdamW::new(s.adamw, numel).with_no_decay(s.table.no_decay_in(0..numel));
@@ -89,7 +88,7 @@ impl DataParallel {
     /// sums itself).
     pub fn reserve_buffers(&self, s: &Session) {
         match &self.buckets {
-            Some(b) => s.reserve_receive_buffer(b.largest(), true), // on the stream, for the largest bucket
+            Some(b) => b.reserve_receive_buffer(s),
             None if self.reduce == Reduce::Ordered => {
                 s.reserve_receive_buffer(self.grad_shard.len() * s.world.size(), false)
             }
@@ -126,11 +125,7 @@ impl DataParallel {
 
         // 2. all-reduce: the sum over ranks (its reduce-scatter adds with `sum_received`), then the mean
         let grads = match (self.buckets.as_mut(), self.reduce) {
-            (Some(b), _) => {
-                let sum = &mut self.grads.sums()[0];
-                b.wait_all(w, sum); // the buckets' all-reduces, handed to the stream in the backward
-                &mut sum[..]
-            }
+            (Some(b), _) => b.all_reduced(w, &mut self.grads), // handed to the stream in the backward
             (None, Reduce::Ordered) => w.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
             (None, Reduce::Native) => w.all_reduce_native(&mut self.grads.sums()[0]),
         };

@@ -97,10 +97,9 @@ impl WholeModelShard {
                 Some(Reference { params: start.weights(all)?, opt })
             }
         };
-        let groups = s.sum_groups.per_rank();
-        let buckets = bucket_bytes.map(|cap| Buckets::new(&s.table, s.cfg.n_layer, layout.padded, n, groups, cap));
+        let buckets = bucket_bytes.map(|cap| Buckets::for_session(s, layout.padded, cap));
         match &buckets {
-            Some(b) => s.reserve_receive_buffer(b.largest(), true), // on the stream, the largest bucket
+            Some(b) => b.reserve_receive_buffer(s),
             None => s.reserve_receive_buffer(layout.padded, false),
         }
         Ok(Self {
@@ -149,11 +148,7 @@ impl WholeModelShard {
 
         // 3. all-reduce: the sum over ranks, then the mean
         let grads = match self.buckets.as_mut() {
-            Some(b) => {
-                let sum = &mut self.grads.sums()[0];
-                b.wait_all(w, sum); // the buckets' all-reduces, handed to the stream in the backward
-                &mut sum[..]
-            }
+            Some(b) => b.all_reduced(w, &mut self.grads), // handed to the stream in the backward
             None => w.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
         };
         let inv = 1.0 / s.sampler.micro_batches as f32;
