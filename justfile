@@ -39,6 +39,11 @@ step NN RANKS="2" *ARGS: build
     if [ -t 1 ]; then export FSDP_PROGRESS=bar; else export FSDP_PROGRESS=plain; fi
     exec mpirun -q $over -n "$ranks" "target/release/step${dir#crates/}" "${args[@]}"
 
+# What a trained model writes: `just sample` (lesson 02's weights, after `just step 02`),
+# `just sample --ckpt out/ck --prompt "KING:"`, `just sample --untrained`; `--help` lists the rest.
+sample *ARGS: build
+    @target/release/fsdp-sample {{ARGS}}
+
 # Model-state bytes per device for data parallel and ZeRO 1-3, e.g. `just tally 7B 64`.
 tally PARAMS RANKS *ARGS: build
     @target/release/zero-tally {{PARAMS}} {{RANKS}} {{ARGS}}
@@ -254,7 +259,7 @@ book-render: setup-browser book
 setup-browser:
     @bash scripts/deps.sh --install --browser
 
-# Check exercise NN-K (e.g. `just exercise 02-1`): lesson NN on 4 ranks with your code (`--mine K`), bit for bit against its snapshot.
+# Check exercise NN-K (e.g. `just exercise 02-1`): lesson NN on 4 ranks (2.1: 5) with your code (`--mine K`), bit for bit against its snapshot.
 exercise ID: build
     #!/usr/bin/env bash
     set -uo pipefail
@@ -262,7 +267,7 @@ exercise ID: build
     [[ "$id" =~ ^[0-9]{2}-[0-9]+$ ]] || { echo "error: name an exercise as NN-K, e.g. \`just exercise 02-1\` for exercise 2.1 (there are: $all)" >&2; exit 2; }
     n=$((10#${id%-*})); k=${id#*-}
     [[ " $all " == *" $id "* ]] || { echo "error: there is no exercise $n.$k: pick one of $all" >&2; exit 2; }
-    echo "exercise $n.$k: lesson ${id%-*} on 4 ranks with your code (--mine $k), against the committed snapshot"
+    echo "exercise $n.$k: lesson ${id%-*} on $([ "$id" = 02-1 ] && echo 5 || echo 4) ranks with your code (--mine $k), against the committed snapshot"
     out=$(INSTA_UPDATE=no cargo test --release -q --test e2e "exercises::exercise_${n}_${k}" -- --ignored --exact --nocapture 2>&1); code=$?
     echo "$out" | grep -vE '^\s+[0-9]+: |^\s+at |^note: |^stack backtrace|^running [0-9]+ test|^test result|^error: test failed|^thread .* panicked|^snapshot assertion|^To update snapshots|^Stopped on the first|^Run `cargo insta|^failures:|^    exercises::|^---- |^$'
     echo

@@ -16,6 +16,21 @@ run() {
 }
 
 run 01-two-ranks 2 step01-data-parallel
+# samples NAME TOKENS RUN SHOWN SHOWN_FLAGS: `just sample --untrained`, then `just sample` on the
+# weights of out/book/RUN, shown as the learner's out/SHOWN (what `just step NN` writes there).
+samples() {
+    local name=$1 tokens=$2 run=$3 shown=$4 flags=$5
+    echo "· $name"
+    {
+        echo "\$ just sample --untrained --tokens $tokens"
+        target/release/fsdp-sample --untrained --tokens "$tokens"
+        echo
+        echo "\$ just sample ${flags}--tokens $tokens"
+        target/release/fsdp-sample --weights "out/book/$run/weights.safetensors" --tokens "$tokens" | sed "s|out/book/$run/|out/$shown/|"
+    } > "$gen/$name.txt"
+}
+# What the model writes: the untrained one, and the one lesson 01 just trained (`just step 01`).
+samples 01-sample 160 01-two-ranks 01-data-parallel "--weights out/01-data-parallel/weights.safetensors "
 # The TCP transport (Open MPI's path between machines), on loopback: same digest.
 echo "· appendix-tcp"
 {
@@ -30,6 +45,8 @@ bash book/check-bits.sh > "$gen/check-bits.txt"
 run 02-two-ranks 2 step02-whole-model-shard
 run 02-four-ranks 4 step02-whole-model-shard
 cp out/book/02-two-ranks/shard_vs_replicated.svg "$gen/02-shard-vs-replicated.svg"
+# Getting started: lesson 02's run (`just step 02`, the README's command), then `just sample`.
+samples getting-started-sample 100 02-two-ranks 02-whole-model-shard ""
 # Activations kept or recomputed: the tally's peak, the measured one, the bits.
 {
     for flag in "" --selective-recompute --recompute; do

@@ -47,6 +47,7 @@ same() {
 import difflib, re, sys
 def mask(line):
     line = re.sub(r"[0-9][0-9,]* tok/s", "[tok/s]", line)
+    line = re.sub(r"[0-9][0-9,]* tokens/s", "[tokens/s]", line)
     line = re.sub(r"[0-9]+\.[0-9]+ ms", "[ms]", line)
     line = re.sub(r"[0-9]+\.[0-9]+ s\)", "[s])", line)
     line = re.sub(r"[0-9]+% hidden", "[%] hidden", line)  # a ratio of two times

@@ -58,7 +58,10 @@ for r in json.load(sys.stdin):
     out.append(dict(r, flops=best))
 print(json.dumps(out))
 """
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+# glibc's malloc tuned for PyTorch as the lessons tune it for themselves (fsdp_harness::alloc::keep_freed_memory:
+# freed blocks up to 32 MiB stay in the heap), so that neither side pays page faults the other does not.
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+           MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(512 << 20))
 
 
 def sh(cmd, **kw):
@@ -83,6 +86,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--isa", choices=["native", "avx2"], default="native",
                    help="avx2: hold both sides to AVX2 on a wider CPU (FSDP_MATMUL=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2)")
+    p.add_argument("--matmul-only", action="store_true",
+                   help="only the matmul table: the lessons' kernel beside torch.matmul, alternated (about a minute)")
     a = p.parse_args()
     if a.isa == "avx2":
         ENV.update(FSDP_MATMUL="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")
@@ -116,6 +121,9 @@ def main():
     machine["torch_matmul_peak_flops"] = next(r["flops"] for r in theirs if r["shape"] == "1024³")
     print(f"{machine['cpu']}: single-thread f32 matmul, 1024³: the lessons' kernel {machine['matmul_peak_flops'] / 1e9:.1f} "
           f"GFLOP/s, PyTorch's {machine['torch_matmul_peak_flops'] / 1e9:.1f}; torch {torch_version}")
+    if a.matmul_only:
+        print("\n" + "\n".join(matmul_lines(machine, a)))
+        return
     steps = a.warmup + a.steps
     port = [29700]
 
@@ -231,8 +239,15 @@ def render(machine, torch_version, a, results, checks):
             f"| {r['ratio']:.2f}× | {r['ours_rss_mib']:.0f} vs {r['torch_rss_mib']:.0f} | {r['max_loss_diff']:.1e} |"
         )
     lines += ["", "Speed ratio: PyTorch's median step time over this project's (above 1: this project is faster).", ""]
+    lines += matmul_lines(machine, a)
+    lines += [f"- {'✓' if ok else '✗'} {c}" for c, ok in checks]
+    return "\n".join(lines) + "\n"
+
+
+def matmul_lines(machine, a):
+    """The matmul table: every path of the lessons' kernel beside torch.matmul, shape by shape."""
     paths = sorted({r["path"] for r in machine["rates"]}, key=["avx512", "avx2", "portable"].index)
-    lines += [
+    lines = [
         f"The matmul on one thread, GFLOP/s (best of 5, the best of three alternated rounds): the lessons' kernel through every path this CPU runs, "
         f"torch.matmul ({'MKL held to AVX2' if a.isa == 'avx2' else 'MKL, its own choice of path'}) beside the one in use "
         f"({machine['path']}); the CPU's FMA peak at the clock /proc/cpuinfo reported: "
@@ -249,8 +264,7 @@ def render(machine, torch_version, a, results, checks):
             + f" | {t['flops'] / 1e9:.1f} | {ours[machine['path']] / t['flops']:.2f}× |"
         )
     lines.append("")
-    lines += [f"- {'✓' if ok else '✗'} {c}" for c, ok in checks]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 if __name__ == "__main__":

@@ -21,9 +21,12 @@ echo "== the step: $(idea "$prev") → $(idea "$cur")"
 diff -U2 --label "lesson ${prev#crates/}" --label "lesson ${cur#crates/}" "$a" "$b" || true
 echo
 echo "== what lesson $nn has besides (files with no counterpart in lesson ${prev#crates/})"
+besides=0
 for f in $(cd "$cur" && find src -name '*.rs' | sort); do
     case "$f" in src/main.rs|src/lib.rs|src/exercises.rs) continue ;; esac
     [ "$cur/$f" = "$(idea "$cur")" ] && continue
     [ -e "$prev/$f" ] && continue
     printf '  %-40s %4d lines  %s\n' "$cur/$f" "$(wc -l < "$cur/$f")" "$(grep -m1 '^//!' "$cur/$f" | sed 's|^//! *||')"
+    besides=$((besides + 1))
 done
+[ "$besides" -gt 0 ] || echo "  none: its idea file, main.rs, lib.rs and exercises.rs have counterparts in lesson ${prev#crates/}"

@@ -30,6 +30,16 @@ fn zero_steps() {
 fn negative_learning_rate() {
     let e = fails("step02-whole-model-shard", 2, &["--lr=-1"], "bad-lr");
     assert!(e.contains("`-1` is not a positive number"), "{e}");
+    // Written with a space, a negative value reaches its flag's validator too (not "unexpected argument").
+    for (flag, says) in [
+        ("--lr", "`-1` is not a positive number"),
+        ("--grad-clip", "`-1` is not a positive number"),
+        ("--weight-decay", "`-1` is not a number ≥ 0"),
+        ("--steps", "'-1' for '--steps <STEPS>'"),
+    ] {
+        let e = fails("step01-data-parallel", 2, &[flag, "-1"], &format!("bad-negative{flag}"));
+        assert!(e.contains(says) && !e.contains("unexpected argument"), "{flag}: {e}");
+    }
 }
 
 #[test]
@@ -215,5 +225,28 @@ fn measuring_knobs_set_wrong() {
     ] {
         let e = fails_with_env(pkg, 2, &[], &[(var, value)], &format!("bad-knob-{var}-{value}"));
         assert!(e.starts_with(&format!("error: {want}")), "{var}={value}: {e}");
+    }
+}
+
+/// Every rank fails at once, after setup (each panics at the end of step 2):
+/// each error line that reaches the terminal is whole, never two ranks'
+/// lines printed into each other.
+#[test]
+fn ranks_failing_together_print_whole_lines() {
+    let (mut cmd, _) = mpirun_command("step01-data-parallel", 4, &["--steps", "5"], "bad-together");
+    let o = cmd.env("FSDP_FAILPOINT", "panic-after-step:2").output().unwrap();
+    let (code, lines) = failure(&o);
+    assert_ne!(code, 0, "{lines:?}");
+    let errors: Vec<&String> = lines.iter().filter(|l| l.contains("error (rank")).collect();
+    assert!(!errors.is_empty(), "no rank's error line: {lines:?}");
+    let whole = |l: &str| {
+        let Some(rest) = l.strip_prefix("error (rank ") else { return false };
+        let (rank, rest) = rest.split_at(1);
+        rank.parse::<u8>().is_ok_and(|r| r < 4)
+            && rest.starts_with("): internal error: failpoint panic-after-step:2 at crates/harness/src/edge.rs:")
+            && rest.rsplit(':').next().is_some_and(|n| n.parse::<u32>().is_ok())
+    };
+    for l in errors {
+        assert!(whole(l), "a broken error line: {l:?} (all: {lines:?})");
     }
 }

@@ -416,6 +416,38 @@ fn sigterm_to_mpirun_finishes_the_step_saves_and_the_checkpoint_resumes_exactly(
 }
 
 #[test]
+fn a_second_job_on_a_ckpt_folder_is_refused_and_a_dead_jobs_lock_is_taken_over() {
+    let ck = ckpt_dir("lock");
+    let lock = ck.join(".lock");
+    // Job A trains on, holding the folder from its start.
+    let mut a = spawn("step01-data-parallel", 2, &args("100000", &["--ckpt", s(&ck)]), "lock-a", &[]);
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&lock).is_ok_and(|l| l.ends_with('\n')) {
+        assert!(t0.elapsed() < Duration::from_secs(60), "job A took no lock in 60 s");
+        assert!(a.0.try_wait().unwrap().is_none(), "job A ended before the test");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let a0 = rank_pid(&children(a.0.id()), 0);
+    let holder = format!("pid {a0}, step01-data-parallel on 2 rank(s)");
+    // Job B, the same folder: refused at start, one line naming A's host and process.
+    let line = fails("step01-data-parallel", 2, &args("3", &["--ckpt", s(&ck)]), "lock-b");
+    let want = format!("error: --ckpt {} is in use by another job (host ", s(&ck));
+    assert!(line.starts_with(&want) && line.contains(&holder), "{line}");
+    assert!(line.ends_with("): wait for it to end, or pass another folder"), "{line}");
+    // A dies without releasing it (every process SIGKILLed): its file stays, its flock is gone.
+    drop(a);
+    assert!(std::fs::read_to_string(&lock).unwrap().contains(&holder), "a killed job cannot remove its lock file");
+    // Job C takes it over with a note naming A, trains, saves, and removes the lock as it ends.
+    let (o, _) = mpirun("step01-data-parallel", 2, &args("2", &["--ckpt", s(&ck)]), "lock-c");
+    let out = ok_stdout(&o);
+    let note = format!("note: --ckpt {}: its lock was left by a job that ended without releasing it (host ", s(&ck));
+    let note_line = out.lines().find(|l| l.starts_with(&note)).unwrap_or_else(|| panic!("no takeover note in:\n{out}"));
+    assert!(note_line.ends_with(&format!("{holder}): taken over")), "{note_line}");
+    assert!(!lock.exists(), "a job that ends normally removes its lock");
+    assert_eq!(latest(&ck), "step-000002");
+}
+
+#[test]
 fn sigint_without_ckpt_ends_after_the_step_with_one_line_and_writes_nothing() {
     let (mut cmd, out) = mpirun_command("step01-data-parallel", 2, &args("100000", &[]), "sigint");
     use std::os::unix::process::CommandExt;

@@ -1,5 +1,5 @@
 //! The exercises: each is a piece of a lesson's real step, and its check is
-//! the lesson itself, run on 4 ranks with the learner's code in that place
+//! the lesson itself, run on 4 ranks (exercise 2.1 on 5) with the learner's code in that place
 //! (`--mine K`): the losses, gradient norms, `--check` divergences, bytes
 //! sent and final weights, bit for bit, against the committed snapshot.
 //!
@@ -13,13 +13,16 @@ use std::path::Path;
 
 use crate::common::*;
 
-/// One exercise: its id ("2.1"), the lesson's package, and the flags of its check's run.
+/// One exercise: its id ("2.1"), the lesson's package, its check's world
+/// size and the flags of its run.
 struct Exercise {
     id: &'static str,
     package: &'static str,
+    ranks: usize,
     args: &'static [&'static str],
 }
 
+/// The world size of most checks.
 const RANKS: usize = 4;
 
 /// Every run: the tiny preset, 3 steps of micro-batches of 2 × 16 tokens.
@@ -30,22 +33,53 @@ const M16: [&str; 2] = ["--micro-batches", "16"];
 const EXERCISES: &[Exercise] = &[
     // 12 sum groups, 3 per rank: the tree over the 12 parts splits 12, 6, 3 → 1 + 2, so a
     // split at the wrong half of an odd count shows (at 4 parts every split is even).
-    Exercise { id: "1.1", package: "step01-data-parallel", args: &["--micro-batches", "24", "--sum-groups", "12"] },
-    Exercise { id: "1.2", package: "step01-data-parallel", args: &M16 },
-    Exercise { id: "2.1", package: "step02-whole-model-shard", args: &[M16[0], M16[1], "--no-plot"] },
+    Exercise {
+        id: "1.1",
+        package: "step01-data-parallel",
+        ranks: RANKS,
+        args: &["--micro-batches", "24", "--sum-groups", "12"],
+    },
+    Exercise { id: "1.2", package: "step01-data-parallel", ranks: RANKS, args: &M16 },
+    // 5 ranks: 809,856 parameters do not divide by 5, so the last shard ends in padding and
+    // a shard's start computed without it shows (every world size from 1 to 4 divides them).
+    Exercise {
+        id: "2.1",
+        package: "step02-whole-model-shard",
+        ranks: 5,
+        args: &["--micro-batches", "20", "--no-plot"],
+    },
     // A planted fault in the reference (the last rank's last parameter): --check must report it, NaN included.
-    Exercise { id: "2.2", package: "step02-whole-model-shard", args: &[M16[0], M16[1], "--no-plot", "--check-probe"] },
-    Exercise { id: "3.1", package: "step03-layerwise-shard", args: &[M16[0], M16[1], "--no-plot"] },
+    Exercise {
+        id: "2.2",
+        package: "step02-whole-model-shard",
+        ranks: RANKS,
+        args: &[M16[0], M16[1], "--no-plot", "--check-probe"],
+    },
+    // 3 micro-batches per rank: with 4 a reversed order pairs the same gradients (a + b = b + a)
+    // and gives the same bits; with 3 the tree is g0 + (g1 + g2), reversed g2 + (g1 + g0).
+    Exercise {
+        id: "3.1",
+        package: "step03-layerwise-shard",
+        ranks: RANKS,
+        args: &["--micro-batches", "12", "--no-plot", "--unit-digests"],
+    },
     // 0.3 against norms of about 2 to 6: every step clips.
     Exercise {
         id: "3.2",
         package: "step03-layerwise-shard",
-        args: &[M16[0], M16[1], "--no-plot", "--grad-clip", "0.3"],
+        ranks: RANKS,
+        args: &[M16[0], M16[1], "--no-plot", "--grad-clip", "0.3", "--unit-digests"],
     },
-    Exercise { id: "4.1", package: "step04-optimizer-state-shard", args: &[M16[0], M16[1], "--stage", "2"] },
+    Exercise {
+        id: "4.1",
+        package: "step04-optimizer-state-shard",
+        ranks: RANKS,
+        args: &[M16[0], M16[1], "--stage", "2"],
+    },
     Exercise {
         id: "4.2",
         package: "step04-optimizer-state-shard",
+        ranks: RANKS,
         args: &[M16[0], M16[1], "--stage", "3", "--precision", "bf16"],
     },
 ];
@@ -66,7 +100,7 @@ impl Exercise {
             args.extend(["--mine", self.k()]);
         }
         let name = format!("exercise-{}-{}", self.id, if mine { "mine" } else { "answer" });
-        let (mut cmd, out) = mpirun_command(self.package, RANKS, &args, &name);
+        let (mut cmd, out) = mpirun_command(self.package, self.ranks, &args, &name);
         let o = if mine { with_timeout(cmd, 600) } else { cmd.output().expect("mpirun runs") };
         (o, out)
     }
@@ -82,7 +116,7 @@ impl Exercise {
     fn summary(&self, out: &Path) -> String {
         let r = report(out);
         let flags = [BASE, self.args].concat().join(" ");
-        let mut s = format!("exercise {}: {} on {RANKS} ranks, {flags}\n", self.id, self.package);
+        let mut s = format!("exercise {}: {} on {} ranks, {flags}\n", self.id, self.package, self.ranks);
         // JSON has no NaN: the report writes null.
         let f32s = |key: &str| -> Vec<f32> {
             let each = |x: &serde_json::Value| x.as_f64().map_or(f32::NAN, |x| x as f32);
@@ -98,6 +132,17 @@ impl Exercise {
             for (i, n) in norms.iter().enumerate() {
                 let n = n.as_f64().unwrap_or(f64::NAN); // a NaN norm is written as null
                 s += &format!("step {}: gradient norm {:#018x} = {n}\n", i + 1, n.to_bits());
+            }
+        }
+        // Lesson 03: each unit's gradient (rank 0's shard), so a check can name the first that differs.
+        for (i, units) in r["unit_grad_digests"].as_array().into_iter().flatten().enumerate() {
+            for u in units.as_array().unwrap() {
+                s += &format!(
+                    "step {}: gradient of {}, rank 0's shard: digest {}\n",
+                    i + 1,
+                    u[0].as_str().unwrap(),
+                    u[1].as_str().unwrap()
+                );
             }
         }
         let steps = r["steps"].as_u64().unwrap();
@@ -270,10 +315,23 @@ fn with_timeout(mut cmd: std::process::Command, secs: u64) -> std::process::Outp
     std::process::Output { status, stdout: reader.join().unwrap(), stderr: err_reader.join().unwrap() }
 }
 
-/// The last `n` lines of `text`.
+/// The last `n` lines or so of `text`, from the start of a block (after a
+/// blank line, or a table's top border), never from the middle of a table.
 fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n") + "\n"
+    let mut from = lines.len().saturating_sub(n.max(1)).min(lines.len().saturating_sub(1));
+    while from > 0 && !(lines[from - 1].trim().is_empty() || lines[from].starts_with('┌')) {
+        from -= 1;
+    }
+    lines[from..].join("\n") + "\n"
+}
+
+#[test]
+fn a_tail_starts_at_a_block() {
+    let text = "config\n\n┌──┐\n│ a │\n│ b │\n└──┘\nstep 1\nstep 2\n";
+    assert_eq!(tail(text, 3), "┌──┐\n│ a │\n│ b │\n└──┘\nstep 1\nstep 2\n");
+    assert_eq!(tail(text, 2), tail(text, 3), "two lines back is inside the table: from its top");
+    assert_eq!(tail("a\n\nb\nc\n", 1), "b\nc\n");
 }
 
 /// Why two summaries differ, in words: other bytes, the same numbers in
@@ -290,11 +348,12 @@ fn why(want: &str, yours: &str) -> String {
             bytes(want)
         );
     }
-    for what in ["loss", "gradient norm", "max |sharded"] {
+    // A wrong norm first (it scales every gradient), then the units' gradients, then the rest.
+    let first_value = |what: &str| -> Option<String> {
         let (a, b) = (values(want, what), values(yours, what));
         if let Some(i) = a.iter().zip(&b).position(|(x, y)| x.to_bits() != y.to_bits()) {
             let rel = ((a[i] - b[i]) / a[i]).abs();
-            return if what == "max |sharded" {
+            return Some(if what == "max |sharded" {
                 format!("your divergence differs at step {}: {} where the lesson has {}", i + 1, b[i], a[i])
             } else if rel < 1e-3 {
                 format!(
@@ -308,7 +367,25 @@ fn why(want: &str, yours: &str) -> String {
                     b[i],
                     a[i]
                 )
-            };
+            });
+        }
+        None
+    };
+    if let Some(line) = first_value("gradient norm") {
+        return line;
+    }
+    // The units' gradients, in the order the backward finishes them: the first that differs.
+    let grads = |s: &str| s.lines().filter(|l| l.contains(": gradient of ")).map(str::to_string).collect::<Vec<_>>();
+    if let Some((w, _)) = grads(want).iter().zip(grads(yours)).find(|(a, b)| *a != b) {
+        let (step, rest) = w.split_once(": gradient of ").unwrap_or_default();
+        let unit = rest.split(',').next().unwrap_or_default();
+        return format!(
+            "at {step}, the gradient of unit {unit} is the first that differs from the lesson's (the units are listed in the order the backward finishes them): look at what your code does for that unit"
+        );
+    }
+    for what in ["loss", "max |sharded"] {
+        if let Some(line) = first_value(what) {
+            return line;
         }
     }
     let digest = |s: &str| s.lines().find(|l| l.starts_with("final weights")).map(str::to_string);
@@ -346,6 +423,13 @@ fn why_says_order_or_other_numbers() {
     assert!(why(want, &other).contains("other numbers"));
     let bytes = want.replace("8 bytes", "16 bytes");
     assert!(why(want, &bytes).contains("other bytes"));
+    let grads = format!(
+        "{want}step 1: gradient of h.3, rank 0's shard: digest 01\nstep 1: gradient of h.2, rank 0's shard: digest 02\n"
+    );
+    assert_eq!(
+        why(&grads, &grads.replace("digest 02", "digest 03")),
+        "at step 1, the gradient of unit h.2 is the first that differs from the lesson's (the units are listed in the order the backward finishes them): look at what your code does for that unit"
+    );
     let weights = format!("{want}final weights digest: 1\n");
     assert!(why(&weights, &weights.replace(": 1", ": 2")).contains("final weights"));
 }

@@ -81,3 +81,30 @@ fn a_nan_is_never_read_as_zero_divergence() {
     assert!(lines.iter().all(|l| l.ends_with("= NaN")), "{lines:?}");
     assert!(stdout.contains("│ max |sharded − replicated| │ NaN over 2 steps │"), "{stdout}");
 }
+
+/// `just diff NN`: the step's change, then the files lesson NN has besides;
+/// lesson 02 has none, and says so rather than printing an empty section.
+#[test]
+fn just_diff_names_what_each_lesson_adds() {
+    let diff = |nn: &str| {
+        let o = std::process::Command::new("bash").arg(root().join("scripts/lesson-diff.sh")).arg(nn).output().unwrap();
+        ok_stdout(&o)
+    };
+    let d02 = diff("02");
+    assert!(d02.contains("== the step: crates/01-data-parallel/src/data_parallel.rs → crates/02-whole-model-shard/src/whole_model_shard.rs"), "{d02}");
+    let besides = d02.split("== what lesson 02 has besides").nth(1).unwrap_or_default();
+    assert!(
+        besides.contains(
+            "  none: its idea file, main.rs, lib.rs and exercises.rs have counterparts in lesson 01-data-parallel"
+        ),
+        "{d02}"
+    );
+    let d03 = diff("03");
+    let besides = d03.split("== what lesson 03 has besides").nth(1).unwrap_or_default();
+    assert!(
+        besides.contains("crates/03-layerwise-shard/src/units.rs")
+            && besides.contains("crates/03-layerwise-shard/src/tally.rs"),
+        "{d03}"
+    );
+    assert!(!besides.contains("none:"), "{d03}");
+}

@@ -50,6 +50,13 @@ fn check_sees_zero_divergence_every_step() {
     assert!(stdout.contains("max |layer-wise − whole-model| = 0.00e+00 over 3 steps"), "{stdout}");
     let div: Vec<f64> = report(&out)["divergence"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     assert_eq!(div, vec![0.0; 3]);
+    // With the figure asked for: --check's whole-model copy would count in lesson 03's
+    // heap, so the memory timeline is not drawn, and the run says so.
+    let args: Vec<&str> = FAST.iter().copied().chain(["--check"]).collect();
+    let (o, out) = mpirun(PKG, 2, &args, "l03-check-plot");
+    let stdout = ok_stdout(&o);
+    assert!(stdout.contains("memory timeline: not drawn under --check"), "{stdout}");
+    assert!(!out.join("memory_timeline.svg").exists() && !out.join("memory_timeline.json").exists());
 }
 
 /// Every unit is gathered twice and reduce-scattered once per step — the

@@ -178,4 +178,19 @@ fn zero_tally_scales_to_7b() {
     let (code, lines) = failure(&o);
     assert_eq!((code, lines.len()), (2, 1), "{lines:?}");
     assert!(lines[0].contains("`7Q` is not a parameter count"), "{}", lines[0]);
+    // The count printed is the count used: exact up to 2^53, refused beyond, whole numbers only.
+    for (count, exact) in [("1.5e15", "1,500,000,000,000,000"), ("1.07B", "1,070,000,000"), ("4.1M", "4,100,000")] {
+        let o = std::process::Command::new(binary("zero-tally")).args([count, "64"]).output().unwrap();
+        assert!(ok_stdout(&o).contains(&format!("Ψ = {exact} parameters")), "{count}");
+    }
+    for (count, says) in [
+        ("1e30", "`1e30` is more parameters than the tally counts exactly (at most 2^53"),
+        ("2.5", "`2.5` is not a whole number of parameters"),
+        ("-7B", "`-7B` is not a parameter count"),
+    ] {
+        let o = std::process::Command::new(binary("zero-tally")).args([count, "64"]).output().unwrap();
+        let (code, lines) = failure(&o);
+        assert_eq!((code, lines.len()), (2, 1), "{count}: {lines:?}");
+        assert!(lines[0].contains(says), "{count}: {}", lines[0]);
+    }
 }

@@ -17,4 +17,5 @@ mod lesson04;
 mod machine;
 mod memory;
 mod overlap;
+mod sample;
 mod setup;

@@ -34,7 +34,7 @@ struct Args {
     train: TrainArgs,
     /// Run in one process, accumulating the micro-batches of N simulated ranks
     /// and adding their sums as N ranks would: bit for bit what N ranks compute.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
     accumulate: Option<u32>,
     /// How to all-reduce the gradient: ordered (bitwise reproducible) or native (MPI_Allreduce).
     #[arg(long, value_enum, default_value = "ordered")]
@@ -52,7 +52,7 @@ struct Args {
     /// fp32 gradient, each handed to a communication thread as soon as my
     /// last micro-batch's backward completes it, while the backward goes on.
     /// The same bits.
-    #[arg(long, value_name = "MB", value_parser = fsdp_harness::cli::positive_mb)]
+    #[arg(long, allow_negative_numbers = true, value_name = "MB", value_parser = fsdp_harness::cli::positive_mb)]
     bucket_mb: Option<f64>,
     /// Compute precision: fp32, or bf16 (bf16 compute copy and gradients;
     /// fp32 master weights, gradient sums and AdamW state).

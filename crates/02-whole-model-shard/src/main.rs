@@ -43,7 +43,7 @@ struct Args {
     /// DDP's buckets for the gradient's all-reduce (lesson 01's --bucket-mb):
     /// buckets of at least this many MB of fp32 gradient, each all-reduced on
     /// a communication thread while my last micro-batch's backward goes on.
-    #[arg(long, value_name = "MB", value_parser = fsdp_harness::cli::positive_mb)]
+    #[arg(long, allow_negative_numbers = true, value_name = "MB", value_parser = fsdp_harness::cli::positive_mb)]
     bucket_mb: Option<f64>,
     /// Exercise 2.2's check: plant a known fault in the replicated reference
     /// (the last parameter, in the last rank's shard, moved by 2⁻¹⁰ after

@@ -162,7 +162,6 @@ impl WholeModelShard {
             || exercise!(2, 1, update_my_shard(&mut self.opt, &mut self.master, grads, self.layout, w.rank())),
         );
         tl.mark("AdamW on my shard");
-        // ANCHOR_END: step
 
         let m = s.sampler.micro_batches as f64;
         let loss = (w.sum_f64(&[loss_sum])[0] / m) as f32;
@@ -180,6 +179,7 @@ impl WholeModelShard {
         };
         Ok(StepResult { loss, reference_loss, divergence })
     }
+    // ANCHOR_END: step
 
     /// The buckets under `--bucket-mb`.
     pub fn buckets(&self) -> Option<&Buckets> {

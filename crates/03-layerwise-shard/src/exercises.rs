@@ -10,9 +10,10 @@
 //! ```
 //!
 //! Replace a `todo!()` under `TODO(exercise)` with your code. The check
-//! compares your run's losses, gradient norms, bytes sent and final weights
-//! with the committed snapshot, bit for bit. Hints are in the book's
-//! chapter 03.
+//! compares your run's losses, each unit's gradient (a digest of rank 0's
+//! shard, every step: the first that differs is named), the gradient norms
+//! (3.2's run clips), bytes sent and final weights with the committed
+//! snapshot, bit for bit. Hints are in the book's chapter 03.
 #![allow(dead_code)]
 use candle_core::{Tensor, Var};
 use fsdp_comm::{MicroBatchSum, World};
@@ -28,12 +29,12 @@ use crate::units::FsdpUnit;
 /// micro-batches, in order:
 ///
 /// 1. recompute the unit's forward from its saved input, this time with a
-///    graph (`crate::layerwise_shard::run_blocks` runs the unit's blocks on
-///    tensors: the `Var`s' own, `as_tensor()`, which lead back to them);
+///    graph that leads back to the weights (`crate::layerwise_shard` has the
+///    function that runs a unit's blocks on tensors);
 /// 2. pull `upstream[k]` back through it: one backward whose gradients are
 ///    the unit's weight gradients and its input's gradient;
-/// 3. add the weight gradients to the unit's gradient sum
-///    (`s.grad_sum(unit.layout().padded)`, then `fsdp_gpt::model::add_grads`);
+/// 3. add the weight gradients to the unit's gradient sum (a
+///    `MicroBatchSum` of the unit's padded length, which the session makes);
 /// 4. replace `upstream[k]` by the input's gradient: the next unit down needs it.
 ///
 /// Return the sum; the step reduce-scatters it and frees the weights.

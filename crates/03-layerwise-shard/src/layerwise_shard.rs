@@ -248,6 +248,12 @@ impl LayerwiseShard {
     }
     // ANCHOR_END: step
 
+    /// Every unit's gradient digest ([`FsdpUnit::grad_digest`]), in the
+    /// order the backward finishes them: the last block first, the root last.
+    pub fn grad_digests(&self) -> Vec<(String, String)> {
+        self.units.iter().rev().map(|u| (u.name().to_string(), format!("{:016x}", u.grad_digest()))).collect()
+    }
+
     /// My shard of every unit, for a checkpoint.
     pub fn checkpoint_pieces(&self) -> Vec<fsdp_harness::checkpoint::ShardPiece<'_>> {
         self.units.iter().map(FsdpUnit::checkpoint_piece).collect()

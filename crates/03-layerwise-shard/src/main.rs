@@ -32,7 +32,7 @@ struct Args {
     prefetch: bool,
     /// Transformer blocks per FSDP unit (in PyTorch, the modules fully_shard wraps): more blocks,
     /// fewer and larger gathers, a higher unsharded peak.
-    #[arg(long, default_value_t = 1, value_name = "K")]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1, value_name = "K")]
     blocks_per_unit: usize,
     /// Where the tied wte's lm_head gradient waits for its embedding part:
     /// keep it, (V, C) per micro-batch, or recompute the head at the end
@@ -49,6 +49,11 @@ struct Args {
     /// step of lesson 02 against one step of lesson 03, same model, same batch).
     #[arg(long)]
     no_plot: bool,
+    /// Record each unit's gradient digest (rank 0's shard) every step in
+    /// report.json: what the exercise checks compare, to name the first
+    /// unit whose gradient differs.
+    #[arg(long)]
+    unit_digests: bool,
 }
 
 fn main() -> ExitCode {
@@ -107,6 +112,10 @@ fn main() -> ExitCode {
             let loss = fsdp.step(&s, step, &mut timeline)?;
             timeline.record(false);
             s.end_step(step, &mut run, loss, || fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
+            if args.unit_digests && world.is_root() {
+                // After the step's clock, outside the measured peak: a diagnostic.
+                fsdp_harness::alloc::host_side(|| run.unit_grad_digests.push(fsdp.grad_digests()));
+            }
             if let Some(r) = reference.as_mut() {
                 let d = world.untracked(|| -> anyhow::Result<f32> {
                     r.step(&s, step, &mut MemoryTimeline::off())?;
@@ -174,7 +183,13 @@ fn main() -> ExitCode {
 
         // The memory timeline: one step of lesson 02 on the same model and
         // batch, recomputing as lesson 03 does: the difference is the sharding.
-        if !args.no_plot {
+        // Not under --check: its whole-model copy sat in lesson 03's heap all along.
+        if !args.no_plot && args.check {
+            print0!(
+                "memory timeline: not drawn under --check (its whole-model copy counts in lesson 03's heap); run without --check to draw it"
+            );
+        }
+        if !args.no_plot && !args.check {
             let mut whole = WholeModelShard::new(&s, &s.seed_start(), false, true, None)?; // the same activation policy
             let mut whole_timeline = MemoryTimeline::off();
             whole_timeline.record(true);

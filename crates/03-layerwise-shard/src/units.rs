@@ -155,6 +155,13 @@ impl FsdpUnit {
     pub fn name(&self) -> &str {
         &self.name
     }
+
+    /// The digest of my shard of the unit's last gradient, as the update
+    /// used it (the mean, clipped under --grad-clip): the exercises' checks
+    /// name the first unit whose gradient differs from the answer's.
+    pub fn grad_digest(&self) -> u64 {
+        fsdp_gpt::params::digest_f32(&self.grad)
+    }
     /// Parameter-table entries, in the unit's flat order.
     pub fn params(&self) -> &[usize] {
         &self.params

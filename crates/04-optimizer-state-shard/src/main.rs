@@ -34,7 +34,7 @@ struct Args {
     train: TrainArgs,
     /// ZeRO stage: 1 shards the fp32 master and AdamW state, 2 also the
     /// gradients, 3 also the parameters (lesson 03's units).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=3))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=3))]
     stage: u8,
     /// Compute precision: bf16 (bf16 compute copy and gradients; fp32 master,
     /// gradient sums and AdamW state) or fp32.

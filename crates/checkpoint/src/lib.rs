@@ -38,6 +38,9 @@ use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+mod lock;
+pub use lock::{FolderLock, Holder, LOCK, Taken};
+
 use fsdp_comm::ShardLayout;
 use fsdp_gpt::weights_file::write_atomically;
 use fsdp_gpt::{GptConfig, ParamTable};
@@ -109,6 +112,19 @@ pub struct ModelMeta {
     pub n_head: usize,
     pub n_embd: usize,
     pub params: usize,
+}
+
+impl ModelMeta {
+    /// The model's shape, as the model crate builds it.
+    pub fn config(&self) -> GptConfig {
+        GptConfig {
+            vocab_size: self.vocab_size,
+            block_size: self.block_size,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -19,6 +19,14 @@ fn main() -> candle_core::Result<()> {
     println!("candle {:016x}", bits(a.matmul(&b)?)?);
     println!("ours {:016x}", bits(fsdp_gpt::kernels::matmul(&a, &b)?)?);
     let blocks = fsdp_gpt::kernels::Blocks::for_this_cpu();
-    println!("blocks kc {} (for k = 1536: {}), mc {}, nc {}", blocks.kc, blocks.kc_for(1536), blocks.mc, blocks.nc);
+    println!(
+        "blocks kc {} (for k = 1536: {}), mc {}, nc {}; kc {} for an output of at most {} bytes",
+        blocks.kc,
+        blocks.kc_for(1536, 1024, 1024),
+        blocks.mc,
+        blocks.nc,
+        blocks.kc_small,
+        blocks.small_out
+    );
     Ok(())
 }

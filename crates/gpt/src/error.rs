@@ -9,6 +9,11 @@ pub enum GptError {
     Data { path: String, reason: String },
     #[error("weights file {path}: {reason}")]
     Weights { path: String, reason: String },
+    #[error(
+        "parameter {index} of {count} ({shape}) has no gradient: the backward does not reach it \
+         (computed from a detached copy, or from its values?)"
+    )]
+    NoGradient { index: usize, count: usize, shape: String },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

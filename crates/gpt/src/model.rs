@@ -191,7 +191,14 @@ pub fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> 
 /// back): `acc += g`, the gradient-accumulation step. Used for the sum over
 /// micro-batches, so its order of additions is part of every lesson's result.
 /// A bf16 gradient is widened to fp32 first (exactly: every bf16 is an f32).
+/// Every var must have a gradient: one the backward did not reach is an
+/// error, not a zero (a graph built from detached copies would otherwise
+/// train on silently).
 pub fn add_grads(grads: &candle_core::backprop::GradStore, vars: &[Var], acc: &mut [f32]) -> Result<()> {
+    if let Some(index) = vars.iter().position(|v| grads.get(v.as_tensor()).is_none()) {
+        let shape = format!("{:?}", vars[index].dims());
+        return Err(crate::GptError::NoGradient { index, count: vars.len(), shape });
+    }
     add_each(vars, acc, |_, v| grads.get(v.as_tensor()))
 }
 
@@ -278,6 +285,23 @@ mod tests {
             }
             assert!(g.iter().any(|&x| x != 0.0), "{}: gradient is all zeros", spec.name);
         }
+    }
+
+    #[test]
+    fn a_weight_the_backward_does_not_reach_is_refused_not_summed_as_zero() {
+        // Exercise 3.1's silent bug: the forward built from a detached copy of one weight.
+        let (w, b) =
+            (Var::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap(), Var::new(&[0.5f32, 1.], &Device::Cpu).unwrap());
+        let x = Tensor::new(&[[1f32, -1.]], &Device::Cpu).unwrap();
+        let out = |w: &Tensor| x.matmul(w).unwrap().broadcast_add(b.as_tensor()).unwrap().sum_all().unwrap();
+        let mut acc = vec![0f32; 6];
+        let grads = out(w.as_tensor()).backward().unwrap();
+        add_grads(&grads, &[w.clone(), b.clone()], &mut acc).unwrap();
+        assert_eq!(acc, [1., 1., -1., -1., 1., 1.]);
+        let grads = out(&w.as_tensor().detach()).backward().unwrap();
+        let e = add_grads(&grads, &[w.clone(), b.clone()], &mut acc).unwrap_err().to_string();
+        assert!(e.starts_with("parameter 0 of 2 ([2, 2]) has no gradient: the backward does not reach it"), "{e}");
+        assert_eq!(acc, [1., 1., -1., -1., 1., 1.], "nothing added on a refusal");
     }
 
     #[test]

@@ -14,25 +14,25 @@ pub struct TrainArgs {
     pub preset: String,
 
     /// Optimizer steps to train.
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub steps: u64,
 
     /// Seed of the initial weights and of the batches; same seed, same bits.
-    #[arg(long, default_value_t = 1337)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1337)]
     pub seed: u64,
 
     /// AdamW learning rate.
-    #[arg(long, default_value_t = 1e-3, value_parser = positive_f32)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-3, value_parser = positive_f32)]
     pub lr: f32,
 
     /// AdamW decoupled weight decay (torch's default 0.01).
-    #[arg(long, default_value_t = 0.01, value_parser = non_negative_f32)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.01, value_parser = non_negative_f32)]
     pub weight_decay: f32,
 
     /// Clip the gradient by its global norm (torch's `clip_grad_norm_`):
     /// scale the mean gradient by min(1, C / (‖g‖ + 1e-6)). ‖g‖ is summed
     /// exactly over every shard, so every lesson and world size gets the same bits.
-    #[arg(long, value_name = "C", value_parser = positive_f32)]
+    #[arg(long, allow_negative_numbers = true, value_name = "C", value_parser = positive_f32)]
     pub grad_clip: Option<f32>,
 
     // Shared, where --recompute is each lesson's: it changes only what the
@@ -45,17 +45,17 @@ pub struct TrainArgs {
     pub selective_recompute: bool,
 
     /// Sequences per micro-batch (B).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub batch_size: u32,
 
     /// Tokens per sequence (T); at most the preset's block size. Default: the block size.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..))]
     pub seq_len: Option<u32>,
 
     /// Micro-batches per optimizer step (M), over all ranks together: the
     /// global batch is M·B·T tokens at every world size; each rank takes M/N.
     /// Default: 4, or the checkpoint's under --resume.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub micro_batches: Option<u32>,
 
     /// Train on this UTF-8 text file instead of the generated corpus.
@@ -67,13 +67,13 @@ pub struct TrainArgs {
     pub out: Option<PathBuf>,
 
     /// Print a loss line every this many steps (and at the first and last).
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub log_every: u64,
 
     /// Heap budget per rank, like a GPU's memory (e.g. 120MB, 1.5GB): the
     /// counting allocator flags the first allocation beyond it, and the run
     /// stops on every rank with an out-of-memory error at the end of that step.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, allow_negative_numbers = true, value_name = "SIZE", value_parser = parse_size)]
     pub mem_budget: Option<u64>,
 
     /// Sum each step's micro-batch gradients in G groups of consecutive
@@ -82,7 +82,7 @@ pub struct TrainArgs {
     /// reduce-scatter bytes. Default: one group per rank, which already gives
     /// every power-of-two world size dividing M the same bits (a checkpoint
     /// saved with --sum-groups keeps its G).
-    #[arg(long, value_name = "G", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, allow_negative_numbers = true, value_name = "G", value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub sum_groups: Option<u32>,
 
     /// Write sharded checkpoints into this folder: at the last step, and
@@ -91,11 +91,11 @@ pub struct TrainArgs {
     pub ckpt: Option<PathBuf>,
 
     /// Save a checkpoint every K steps (needs --ckpt).
-    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     pub save_every: Option<u64>,
 
     /// Keep the newest N checkpoints in --ckpt, removing older ones.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    #[arg(long, allow_negative_numbers = true, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub keep: u64,
 
     /// Resume from a checkpoint saved at any world size: a --ckpt folder
@@ -113,7 +113,7 @@ pub struct TrainArgs {
     /// Run exercise NN.K with your code (the lesson's src/exercises.rs)
     /// instead of the answer; repeat or list for several (--mine 1,2).
     /// `just exercise NN-K` checks it against the committed snapshot.
-    #[arg(long, value_name = "K", value_delimiter = ',', value_parser = clap::value_parser!(u8))]
+    #[arg(long, allow_negative_numbers = true, value_name = "K", value_delimiter = ',', value_parser = clap::value_parser!(u8))]
     pub mine: Vec<u8>,
 }
 

@@ -63,6 +63,21 @@ pub(crate) fn mark_setup_done() {
     SETUP_DONE.store(true, Relaxed);
 }
 
+/// One line on stderr, in one write: `eprintln!` writes a line piece by
+/// piece, and the lines of ranks failing together (mpirun forwards every
+/// rank's stderr to one terminal) then print into each other.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        let _ = one_write(&mut std::io::stderr(), &format!("{}", format_args!($($t)*)));
+    }};
+}
+
+/// `line` and its newline in one `write_all` (one `write(2)` on stderr, which
+/// Rust does not buffer).
+fn one_write(w: &mut impl std::io::Write, line: &str) -> std::io::Result<()> {
+    w.write_all(format!("{line}\n").as_bytes())
+}
+
 /// Runs a lesson: sets one compute thread per rank (unless `RAYON_NUM_THREADS`
 /// says otherwise), joins MPI, runs `body`, and turns its error into one line
 /// and exit code 2.
@@ -75,7 +90,7 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
     let world = match World::init() {
         Ok(w) => w,
         Err(e) => {
-            eprintln!("error: {e}");
+            say!("error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -89,13 +104,21 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
     if let Some(first) = bad.iter().position(|&b| b == 1) {
         if let (true, Err(line)) = (world.rank() == first, &knobs) {
             match first {
-                0 => eprintln!("error: {line}"),
-                r => eprintln!("error (rank {r}): {line} (pass the same FSDP_* variables to every rank: mpirun -x)"),
+                0 => say!("error: {line}"),
+                r => say!("error (rank {r}): {line} (pass the same FSDP_* variables to every rank: mpirun -x)"),
             }
         }
         return ExitCode::from(2);
     }
     crate::stop::install(world.is_root(), std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some());
+    // The --ckpt folder's lock goes with the job, on every way out of `main`.
+    struct ReleaseLock;
+    impl Drop for ReleaseLock {
+        fn drop(&mut self) {
+            crate::resume::release_ckpt_lock();
+        }
+    }
+    let _release = ReleaseLock;
     RANK.store(world.rank(), Relaxed);
     SIZE.store(world.size(), Relaxed);
     std::panic::set_hook(Box::new(|info| {
@@ -103,8 +126,9 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
         if crate::exercise::is_stub(&msg) {
             return; // an exercise's stub: `main` reports it once, on rank 0
         }
-        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
-        eprintln!("error (rank {}): internal error: {msg}{at}", RANK.load(Relaxed));
+        let at = info.location().map(|l| (l.file().to_string(), l.line()));
+        say!("{}", panic_line(RANK.load(Relaxed), &msg, at, &crate::exercise::mine_list()));
+        crate::resume::release_ckpt_lock();
         if SIZE.load(Relaxed) > 1 {
             fsdp_comm::abort_job(3);
         }
@@ -119,7 +143,7 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
         Err(payload) => match crate::exercise::stub_message(&panic_text(&*payload), lesson.short()) {
             Some(line) => {
                 if world.is_root() {
-                    eprintln!("error: {line}");
+                    say!("error: {line}");
                 }
                 return ExitCode::from(2);
             }
@@ -132,16 +156,44 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
             Some(Stop::Success) => ExitCode::SUCCESS,
             Some(Stop::Reported) => ExitCode::from(2),
             None if SETUP_DONE.load(Relaxed) && world.size() > 1 => {
-                eprintln!("error (rank {}): {e:#}", world.rank());
+                say!("error (rank {}): {e:#}", world.rank());
+                crate::resume::release_ckpt_lock();
                 world.abort(2)
             }
             None => {
                 if world.is_root() {
-                    eprintln!("error: {e:#}");
+                    say!("error: {e:#}");
                 }
                 ExitCode::from(2)
             }
         },
+    }
+}
+
+/// Fault injection for the tests: `FSDP_FAILPOINT=panic-after-step:STEP`
+/// makes every rank panic at the end of step STEP, all at about the same
+/// moment (to show each rank's error line stays whole).
+pub fn failpoint_panic(step: u64) {
+    let Ok(spec) = std::env::var("FSDP_FAILPOINT") else { return };
+    if spec.strip_prefix("panic-after-step:").and_then(|s| s.parse::<u64>().ok()) == Some(step) {
+        panic!("failpoint panic-after-step:{step}");
+    }
+}
+
+/// The one line a panic prints: a learner's own code (a panic in an
+/// `exercises.rs`) is named as theirs, with their file and line; a panic
+/// elsewhere while their code runs (`--mine`) says so; anything else is an
+/// internal error.
+fn panic_line(rank: usize, msg: &str, at: Option<(String, u32)>, mine: &[String]) -> String {
+    let theirs = at.as_ref().is_some_and(|(f, _)| f.ends_with("src/exercises.rs"));
+    let at = at.map(|(f, l)| format!(" at {f}:{l}")).unwrap_or_default();
+    match (theirs, mine.is_empty()) {
+        (true, _) => format!("error (rank {rank}): your code panicked: {msg}{at}"),
+        (false, false) => format!(
+            "error (rank {rank}): a panic while your code runs (exercise {}): {msg}{at}; look at what your code hands on",
+            mine.join(", ")
+        ),
+        (false, true) => format!("error (rank {rank}): internal error: {msg}{at}"),
     }
 }
 
@@ -177,8 +229,8 @@ pub fn agree<T>(world: &World, result: anyhow::Result<T>) -> anyhow::Result<T> {
         let text = &record[1..];
         let msg = String::from_utf8_lossy(&text[..text.iter().position(|&b| b == 0).unwrap_or(text.len())]);
         match rank {
-            0 => eprintln!("error: {msg}"),
-            r => eprintln!("error (rank {r}): {msg}"),
+            0 => say!("error: {msg}"),
+            r => say!("error (rank {r}): {msg}"),
         }
     }
     Err(Stop::Reported.into())
@@ -201,15 +253,61 @@ pub fn tool_main<P: clap::Parser>(body: impl FnOnce(P) -> anyhow::Result<()>) ->
             // clap's first paragraph, on one line ("… not provided: --ckpt <CKPT>").
             let text = e.render().to_string();
             let first: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
-            eprintln!("error: {} (see --help)", first.join(" ").trim_start_matches("error: "));
+            say!("error: {} (see --help)", first.join(" ").trim_start_matches("error: "));
             return ExitCode::from(2);
         }
     };
     match body(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            say!("error: {e:#}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_line_is_one_write() {
+        // What reaches a pipe shared by every rank: one write per line, never
+        // a line in pieces that another rank's pieces can fall between.
+        struct Writes(Vec<Vec<u8>>);
+        impl std::io::Write for Writes {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.push(b.to_vec());
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut w = Writes(vec![]);
+        one_write(&mut w, &format!("error (rank {}): {}", 3, "internal error: boom")).unwrap();
+        assert_eq!(w.0, vec![b"error (rank 3): internal error: boom\n".to_vec()]);
+        // eprintln!'s way, write_fmt, writes the same line in pieces.
+        let mut pieces = Writes(vec![]);
+        std::io::Write::write_fmt(&mut pieces, format_args!("error (rank {}): {}\n", 3, "boom")).unwrap();
+        assert!(pieces.0.len() > 1, "{:?}", pieces.0);
+    }
+
+    #[test]
+    fn a_learners_panic_is_named_as_theirs() {
+        let at = |f: &str| Some((f.to_string(), 42));
+        let mine = vec!["2.1".to_string()];
+        assert_eq!(
+            panic_line(1, "index out of bounds", at("crates/02-whole-model-shard/src/exercises.rs"), &mine),
+            "error (rank 1): your code panicked: index out of bounds at crates/02-whole-model-shard/src/exercises.rs:42"
+        );
+        assert_eq!(
+            panic_line(0, "lengths differ", at("crates/gpt/src/adamw.rs"), &mine),
+            "error (rank 0): a panic while your code runs (exercise 2.1): lengths differ at crates/gpt/src/adamw.rs:42; look at what your code hands on"
+        );
+        assert_eq!(
+            panic_line(3, "boom", at("crates/gpt/src/adamw.rs"), &[]),
+            "error (rank 3): internal error: boom at crates/gpt/src/adamw.rs:42"
+        );
     }
 }

@@ -352,6 +352,7 @@ impl<'a, 'w> Report<'a, 'w> {
             "tokens_per_step": s.sampler.tokens_per_step(),
             "losses": self.run.losses,
             "grad_norms": self.run.grad_norms,
+            "unit_grad_digests": self.run.unit_grad_digests,
             "final_loss": final_loss,
             "tokens_per_second": self.run.tokens_per_second(),
             "median_step_seconds": self.run.median_step_seconds(),

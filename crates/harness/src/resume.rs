@@ -3,7 +3,7 @@
 //! which summation order the resumed run uses, and what it does differently
 //! from an uninterrupted run. The file format is in [`crate::checkpoint`];
 //! the collective save in [`crate::save`].
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail};
 use fsdp_comm::{SumGroups, World};
@@ -12,8 +12,9 @@ use fsdp_gpt::{AdamWConfig, Corpus, GptConfig, Sampler};
 use crate::checkpoint::{self, AdamWMeta, DataMeta, Meta, ModelMeta};
 use crate::cli::TrainArgs;
 
-/// `--ckpt`, `--save-every`, `--resume`: consistent, and the folder writable.
-pub fn check_paths(world: &World, args: &TrainArgs) -> anyhow::Result<()> {
+/// `--ckpt`, `--save-every`, `--resume`: consistent, the folder writable and
+/// this job's alone: rank 0 takes its lock (held to the end; [`release_ckpt_lock`]).
+pub fn check_paths(world: &World, args: &TrainArgs, lesson: &str) -> anyhow::Result<()> {
     if args.save_every.is_some() && args.ckpt.is_none() {
         bail!("--save-every needs --ckpt DIR: the folder to write checkpoints into");
     }
@@ -24,6 +25,55 @@ pub fn check_paths(world: &World, args: &TrainArgs) -> anyhow::Result<()> {
         .as_ref()
         .and_then(|r| checkpoint::resolve(r, "--resume").ok())
         .is_some_and(|r| canonical(&r).parent() == Some(canonical(dir).as_path()));
+    if !world.is_root() {
+        return Ok(());
+    }
+    // Try writing there now rather than after the first steps. The folder
+    // stays while the job runs (it holds the lock); folders made here are
+    // removed at the end if nothing was saved in them.
+    let created: Vec<PathBuf> =
+        dir.ancestors().take_while(|p| !p.as_os_str().is_empty() && !p.exists()).map(Path::to_path_buf).collect();
+    let probe = dir.join(".write-test");
+    let tried = std::fs::create_dir_all(dir)
+        .and_then(|_| std::fs::write(&probe, b"ok"))
+        .and_then(|_| std::fs::remove_file(&probe));
+    let remove_created = || created.iter().for_each(|p| _ = std::fs::remove_dir(p)); // deepest first
+    if let Err(e) = tried {
+        remove_created();
+        bail!("--ckpt {}: cannot write there ({e}): pass a writable folder", dir.display());
+    }
+    let who = format!("host {}, pid {}, {lesson} on {} rank(s)", hostname(), std::process::id(), world.size());
+    let lock = match checkpoint::FolderLock::take(dir, &who) {
+        // A file system without locks (NFS without lockd, Lustre without -o flock): go on, and say so.
+        Err(e) if [libc::ENOLCK, libc::EOPNOTSUPP, libc::ENOSYS].contains(&e.raw_os_error().unwrap_or(0)) => {
+            crate::print0!(
+                "note: --ckpt {}: its file system cannot lock ({e}): nothing stops another job from writing there too",
+                dir.display()
+            );
+            None
+        }
+        Ok(checkpoint::Taken::Held(lock, stale)) => {
+            if let Some(dead) = stale {
+                crate::print0!(
+                    "note: --ckpt {}: its lock was left by a job that ended without releasing it ({dead}): taken over",
+                    dir.display()
+                );
+            }
+            Some(lock)
+        }
+        Ok(checkpoint::Taken::Busy(holder)) => {
+            remove_created();
+            bail!(
+                "--ckpt {} is in use by another job ({holder}): wait for it to end, or pass another folder",
+                dir.display()
+            )
+        }
+        Err(e) => {
+            remove_created();
+            bail!("--ckpt {}: cannot lock it ({e}): pass a folder on a file system with flock", dir.display())
+        }
+    };
+    // Checked with the lock held: a job that saved meanwhile is seen.
     if !resuming_here && (dir.join("latest").exists() || !checkpoint::list(dir).is_empty()) {
         bail!(
             "--ckpt {} already holds checkpoints of another run: pass --resume {} to continue it, or choose an empty folder",
@@ -31,20 +81,40 @@ pub fn check_paths(world: &World, args: &TrainArgs) -> anyhow::Result<()> {
             dir.display()
         );
     }
-    if world.is_root() {
-        // Try writing there now rather than after the first steps; leave no
-        // trace (the first save creates the folder for real).
-        let created: Vec<&Path> = dir.ancestors().take_while(|p| !p.as_os_str().is_empty() && !p.exists()).collect();
-        let probe = dir.join(".write-test");
-        let tried = std::fs::create_dir_all(dir)
-            .and_then(|_| std::fs::write(&probe, b"ok"))
-            .and_then(|_| std::fs::remove_file(&probe));
-        for p in &created {
-            let _ = std::fs::remove_dir(p); // deepest first
-        }
-        tried.map_err(|e| anyhow!("--ckpt {}: cannot write there ({e}): pass a writable folder", dir.display()))?;
-    }
+    *CKPT_LOCK.lock().unwrap_or_else(|e| e.into_inner()) = Some(HeldFolder { lock, created });
     Ok(())
+}
+
+/// The `--ckpt` folder rank 0 holds, and the folders it made for it.
+struct HeldFolder {
+    lock: Option<checkpoint::FolderLock>,
+    created: Vec<PathBuf>,
+}
+
+impl Drop for HeldFolder {
+    fn drop(&mut self) {
+        drop(self.lock.take()); // first the lock file, then any folder left empty
+        self.created.iter().for_each(|p| _ = std::fs::remove_dir(p));
+    }
+}
+
+static CKPT_LOCK: std::sync::Mutex<Option<HeldFolder>> = std::sync::Mutex::new(None);
+
+/// Releases the `--ckpt` folder's lock, if this process holds it: at the end
+/// of a job, however it ends short of a kill (`edge`).
+pub fn release_ckpt_lock() {
+    if let Ok(mut held) = CKPT_LOCK.try_lock() {
+        held.take();
+    }
+}
+
+/// This machine's name, as the lock names its holder.
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    if ok { String::from_utf8_lossy(&buf[..end]).into_owned() } else { "unknown".to_string() }
 }
 
 /// `--sum-groups`, else the grouping a checkpoint was saved with `--sum-groups`

@@ -21,6 +21,9 @@ pub struct Run {
     pub losses: Vec<f32>,
     /// `--grad-clip`: each step's gradient norm before clipping.
     pub grad_norms: Vec<f64>,
+    /// Lessons that keep gradients unit by unit: each step's (unit, digest
+    /// of this rank's shard of its gradient), in backward order.
+    pub unit_grad_digests: Vec<Vec<(String, String)>>,
     /// Wall seconds per step.
     pub step_seconds: Vec<f64>,
     /// Live heap when training started (data, runtime, the lesson's state).
@@ -61,6 +64,7 @@ impl Run {
             step_started: Instant::now(),
             losses: vec![],
             grad_norms: vec![],
+            unit_grad_digests: vec![],
             step_seconds: vec![],
             baseline_live: crate::alloc::live_bytes(),
             setup_peak,

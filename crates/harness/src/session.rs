@@ -213,7 +213,7 @@ impl<'w> Session<'w> {
             this_run.check_resume(&args, meta)?; // first: another lesson's or model's checkpoint says so
         }
         let (sum_groups, sum_groups_given) = crate::resume::sum_groups(&args, n, loaded.as_ref().map(|(m, _)| m))?;
-        crate::resume::check_paths(world, &args)?;
+        crate::resume::check_paths(world, &args, lesson.package)?;
         if let Some(dir) = &args.trace {
             crate::trace::check_dir(world, dir)?;
         }
@@ -412,7 +412,7 @@ impl<'w> Session<'w> {
                     &format!("saved block inputs ({dt})"),
                     blocks * btc,
                     e,
-                    "(B, T, C) per block, recomputed from",
+                    "(B, T, C) per block: each block is recomputed from its input",
                 ),
                 false => m
                     .add(
@@ -593,6 +593,7 @@ impl<'w> Session<'w> {
         pieces: impl FnOnce() -> Vec<crate::checkpoint::ShardPiece<'a>>,
     ) -> anyhow::Result<()> {
         run.step_done(step, loss, self.grad_norm.take().map(|n| (n, self.args.grad_clip.unwrap_or(f32::INFINITY))));
+        crate::edge::failpoint_panic(step);
         self.check_memory_budget(step)?;
         let stop = crate::stop::agreed(self.world);
         let save = self.checkpoint_due(step) || (stop.is_some() && self.args.ckpt.is_some());
@@ -728,7 +729,10 @@ impl<'w> Session<'w> {
             let (b, seq) = self.micro_batch_shape();
             t.row([
                 "attention probabilities".to_string(),
-                format!("not kept, recomputed in backward: {b} × {} × {seq} × {seq} per block (B, nh, T, T)", c.n_head),
+                format!(
+                    "not kept, recomputed in backward: {b} × {} × {seq} × {seq} per block (B, nh, T, T); under block recompute as well",
+                    c.n_head
+                ),
             ]);
         }
         let mine = crate::exercise::mine_list();

@@ -112,6 +112,7 @@ pub(crate) fn exit_code(sig: i32) -> i32 {
 /// is killing the job, stalls for seconds): every rank has saved and agreed.
 pub(crate) fn exit_now(code: i32) -> ! {
     use std::io::Write;
+    crate::resume::release_ckpt_lock(); // _exit runs no destructor
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     // SAFETY: _exit ends the process; nothing is left to run.

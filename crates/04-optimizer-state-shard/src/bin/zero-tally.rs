@@ -14,21 +14,21 @@ use step04_optimizer_state_shard::zero::{SCHEMES, model_state_bytes};
 #[derive(Debug, Parser)]
 #[command(name = "zero-tally")]
 struct Args {
-    /// Parameter count: 7B, 70B, 405B, 124M, 1.5e9 …
-    #[arg(value_parser = parse_count)]
+    /// Parameter count: 7B, 70B, 405B, 124M, 1.5e9 … (a whole number, at most 2^53)
+    #[arg(allow_hyphen_values = true, value_parser = parse_count)]
     params: f64,
     /// Data-parallel ranks (devices) sharing the model.
-    #[arg(value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    #[arg(allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     ranks: u64,
     /// Optimizer bytes per parameter (fp32 master + AdamW m + v = 12).
-    #[arg(long, default_value_t = 12.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 12.0)]
     k: f64,
     /// Memory per device, in GB, for the "fits?" column.
-    #[arg(long, default_value_t = 80.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 80.0)]
     device_gb: f64,
     /// Hybrid sharding (PyTorch's HSDP, DeepSpeed's MiCS): shard within
     /// groups of S ranks (e.g. one node), replicate across the N/S groups.
-    #[arg(long, value_name = "S", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    #[arg(long, allow_negative_numbers = true, value_name = "S", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     hsdp: Option<u64>,
     /// Keep the optimizer state (the K bytes: fp32 master, m, v) in host
     /// memory and run the update there; the device keeps the rest (ZeRO-Offload
@@ -46,8 +46,16 @@ fn parse_count(s: &str) -> Result<f64, String> {
         Some('T') => (&t[..t.len() - 1], 1e12),
         _ => (t, 1.0),
     };
-    match num.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x * scale),
+    // f64 holds every whole number up to 2^53 exactly: the count printed is the count used.
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    // 4.1 × 10⁶ is 4099999.9999999995 in f64: a product within a few ulps of a whole number is it.
+    let whole = |x: f64| if (x - x.round()).abs() <= 4.0 * f64::EPSILON * x.abs() { x.round() } else { x };
+    match num.parse::<f64>().map(|x| whole(x * scale)) {
+        Ok(x) if (1.0..=EXACT).contains(&x) && x.fract() == 0.0 => Ok(x),
+        Ok(x) if x > EXACT => Err(format!(
+            "`{s}` is more parameters than the tally counts exactly (at most 2^53 ≈ 9.0e15; 405B is 4.05e11)"
+        )),
+        Ok(x) if x >= 1.0 && x.fract() != 0.0 => Err(format!("`{s}` is not a whole number of parameters")),
         _ => Err(format!("`{s}` is not a parameter count: try 7B, 70B, 405B or 124M")),
     }
 }

@@ -2,9 +2,55 @@
 //! to f32 and rounded back, and their arithmetic in one precision.
 use candle_core::{CpuStorage, Layout, Result, Storage, bail};
 use half::bf16;
+use std::mem::MaybeUninit;
 
 use super::matmul::{Operand, products_f32, products_f64};
 use super::softmax::{backward_f32, backward_f64, forward_f32, forward_f64};
+
+/// Whether the element-wise loops below may take AVX2's eight lanes (the
+/// build's baseline, SSE2, has four). The bits cannot differ: without
+/// fast-math the compiler vectorises only what is element-wise and keeps
+/// every rounding (it fuses no multiply and add the code does not fuse).
+#[inline(always)]
+fn avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2");
+    #[allow(unreachable_code)]
+    false
+}
+
+/// `f` on every element of `x`: SIMD-wide where the CPU has AVX2.
+#[inline(always)]
+pub(super) fn map_f32(x: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {
+    zip_map_f32(x, x, move |v, _| f(v))
+}
+
+/// `f` on every pair of elements of `x` and `y`: SIMD-wide where the CPU has AVX2.
+#[inline(always)]
+pub(super) fn zip_map_f32(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Copy) -> Vec<f32> {
+    #[inline(always)]
+    fn each(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
+        out.iter_mut().zip(x.iter().zip(y)).for_each(|(o, (&a, &b))| _ = o.write(f(a, b)));
+    }
+    let len = x.len().min(y.len());
+    let mut out = Vec::with_capacity(len); // not zeroed: every element is written below
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        #[target_feature(enable = "avx2")]
+        fn on_avx2(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
+            each(x, y, out, f)
+        }
+        // SAFETY: the CPU has AVX2 (detected above).
+        unsafe { on_avx2(x, y, &mut out.spare_capacity_mut()[..len], f) };
+    } else {
+        each(x, y, &mut out.spare_capacity_mut()[..len], f);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    each(x, y, &mut out.spare_capacity_mut()[..len], f);
+    // SAFETY: `each` wrote all `len` elements.
+    unsafe { out.set_len(len) };
+    out
+}
 
 /// The values of a contiguous operand, from its start offset.
 pub(super) fn values<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [T]> {

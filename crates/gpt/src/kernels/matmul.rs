@@ -28,6 +28,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
+use std::mem::MaybeUninit;
 
 /// Rows of `a` per register tile.
 const MR: usize = 6;
@@ -145,37 +146,49 @@ fn refuse(line: &str) -> ! {
 
 // ANCHOR: blocks
 /// Block sizes, in elements: `kc` steps of the contraction, `mc` rows of
-/// `a` (a multiple of `MR`), `nc` columns of `b` (a multiple of `NR`).
+/// `a` (a multiple of `MR`), `nc` columns of `b` (a multiple of `NR`); for
+/// an output of at most `small_out` bytes, `kc_small` steps instead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Blocks {
     pub kc: usize,
     pub mc: usize,
     pub nc: usize,
+    pub kc_small: usize,
+    pub small_out: usize,
 }
 
 impl Blocks {
     /// The blocks for the cache sizes (bytes), chosen by measurement on a
     /// Zen 3 core (32 KiB L1d, 512 KiB L2, a 32 MiB L3; the book's
-    /// performance appendix): the contraction is blocked only once a panel
-    /// of `b` outgrows 3/16 of L2 (1,536 steps there), and then into the
-    /// fewest equal blocks (see [`Blocks::kc_for`]); `a` and `b` are blocked
-    /// only once a block of them outgrows a quarter of L3. Blocking by L1,
-    /// as BLIS does (`kc` ≈ 256), measured 6–10% slower at every shape up to
-    /// K = 1536, where a `b` panel streamed from L2 keeps the tile fed, and
-    /// each extra k-block reloads the output's tiles; at 2048³ it measured
-    /// 10–15% faster.
-    pub fn from_caches(l2: usize, l3: usize) -> Blocks {
+    /// performance appendix). The contraction is blocked once a panel of `b`
+    /// outgrows 3/16 of L2 (1,536 steps there), into the fewest equal blocks
+    /// (see [`Blocks::kc_for`]), since every extra k-block reloads the
+    /// output's tiles — unless the output fits in half of L2, where that
+    /// reload is cheap: then a `b` panel is kept to half of L1 (256 steps),
+    /// as BLIS does. Measured on the lessons' products: L1-sized k-blocks
+    /// made the small-output gᵀ·x products (384 × 512 × 128, 512 × 512 × 128)
+    /// 14% faster and the large-output ones (1024³, K = 1536) 4–12% slower.
+    /// `a` and `b` are blocked only once a block of them outgrows a quarter of L3.
+    pub fn from_caches(l1: usize, l2: usize, l3: usize) -> Blocks {
         let kc = (l2 * 3 / 16 / (4 * NR)).clamp(64, 1 << 14);
         let mc = ((l3 / 4 / (4 * kc)) / MR * MR).max(MR);
         let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
-        Blocks { kc, mc, nc }
+        let kc_small = (l1 / 2 / (4 * NR)).clamp(64, kc);
+        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2 }
     }
     // ANCHOR_END: blocks
 
-    /// The k-block for a contraction of `k`: the fewest blocks of at most
-    /// `kc`, all of one size (the last may be shorter by less than one block count).
-    pub fn kc_for(&self, k: usize) -> usize {
-        let blocks = k.div_ceil(self.kc.max(1));
+    /// Blocks of the given sizes, whatever the output's size.
+    pub fn fixed(kc: usize, mc: usize, nc: usize) -> Blocks {
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0 }
+    }
+
+    /// The k-block for a contraction of `k` into an `m` × `n` output: the
+    /// fewest blocks of at most `kc` (`kc_small` for a small output), all of
+    /// one size (the last may be shorter by less than one block count).
+    pub fn kc_for(&self, k: usize, m: usize, n: usize) -> usize {
+        let kc = if 4 * m * n <= self.small_out { self.kc_small } else { self.kc };
+        let blocks = k.div_ceil(kc.max(1));
         k.div_ceil(blocks.max(1))
     }
 
@@ -187,7 +200,7 @@ impl Blocks {
         let sizes: Vec<usize> = v.split(',').filter_map(|v| v.trim().parse().ok()).filter(|&b| b > 0).collect();
         match sizes[..] {
             [kc, mc, nc] if v.split(',').count() == 3 => {
-                Ok(Some(Blocks { kc, mc: (mc / MR * MR).max(MR), nc: (nc / NR * NR).max(NR) }))
+                Ok(Some(Blocks::fixed(kc, (mc / MR * MR).max(MR), (nc / NR * NR).max(NR))))
             }
             _ => Err(format!(
                 "FSDP_MATMUL_BLOCKS={v}: give three positive sizes KC,MC,NC (e.g. 256,72,4096), or unset it"
@@ -195,10 +208,10 @@ impl Blocks {
         }
     }
 
-    /// This CPU's, from /sys/devices/system/cpu/cpu0/cache (L2, L3), read
-    /// once; 512 KiB and 8 MiB where they cannot be read.
-    /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets them instead (to measure others:
-    /// the bits are the same).
+    /// This CPU's, from /sys/devices/system/cpu/cpu0/cache (L1d, L2, L3), read
+    /// once; 32 KiB, 512 KiB and 8 MiB where they cannot be read.
+    /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets them instead, for every output
+    /// size (no `kc_small`), to measure others: the bits are the same.
     pub fn for_this_cpu() -> Blocks {
         use std::sync::OnceLock;
         static BLOCKS: OnceLock<Blocks> = OnceLock::new();
@@ -206,7 +219,7 @@ impl Blocks {
             if let Some(asked) = Blocks::asked().unwrap_or_else(|e| refuse(&e)) {
                 return asked;
             }
-            let (mut l2, mut l3) = (512 << 10, 8 << 20);
+            let (mut l1, mut l2, mut l3) = (32 << 10, 512 << 10, 8 << 20);
             for i in 0..8 {
                 let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
                 let read =
@@ -214,12 +227,13 @@ impl Blocks {
                 let size = read("size");
                 let Some(kib) = size.strip_suffix('K').and_then(|v| v.parse::<usize>().ok()) else { continue };
                 match read("level").as_str() {
+                    "1" if read("type") == "Data" => l1 = kib << 10,
                     "2" => l2 = kib << 10,
                     "3" => l3 = kib << 10,
                     _ => {}
                 }
             }
-            Blocks::from_caches(l2, l3)
+            Blocks::from_caches(l1, l2, l3)
         })
     }
 }
@@ -314,9 +328,11 @@ fn products<T: Copy>(
     path: Path,
 ) -> Vec<f32> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    let mut out = vec![0f32; a.batch_offsets.len() * m * n];
+    // Every item's output is written below before it is handed out: the shapes must fit.
+    assert!(a.batch_offsets.len() == b.batch_offsets.len() && k == b.rows, "matmul operands do not fit");
+    let len = a.batch_offsets.len() * m * n;
     if m == 0 || n == 0 || k == 0 {
-        return out; // an empty sum is 0
+        return vec![0f32; len]; // an empty sum is 0
     }
     let (isa, blocks) = match path {
         Path::Fastest => (Isa::in_use(), Blocks::for_this_cpu()),
@@ -326,23 +342,31 @@ fn products<T: Copy>(
     };
     let (tile_fn, pair_fn) = tiles(isa);
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
-    let (kc, mcp, ncp) = (blocks.kc_for(k), (blocks.mc / MR).max(1), (blocks.nc / NR).max(1));
+    let (kc, mcp, ncp) = (blocks.kc_for(k, m, n), (blocks.mc / MR).max(1), (blocks.nc / NR).max(1));
+    // Nothing is zeroed first: the first k-block's tiles store every element
+    // of the output without reading it, and the packing writes every element
+    // of its panels (the rows and columns past an edge as 0). At the lessons'
+    // shapes zeroing the three buffers cost more than packing them.
+    let mut out: Vec<f32> = Vec::with_capacity(len);
     // Both operands packed whole, as [k-block][panel][k][row or column]: the
     // panel of k-block k0 that the tile reads is contiguous, kb × MR or kb × NR.
-    let (mut ap, mut bp) = (vec![0f32; mp * MR * k], vec![0f32; np * NR * k]);
+    let (mut ap, mut bp) = (Vec::with_capacity(mp * MR * k), Vec::with_capacity(np * NR * k));
+    let (ap, bp) = (&mut ap.spare_capacity_mut()[..mp * MR * k], &mut bp.spare_capacity_mut()[..np * NR * k]);
     let k_blocks = || (0..k).step_by(kc).map(move |k0| (k0, kc.min(k - k0)));
     let at_a = |k0: usize, kb: usize, p: usize| k0 * mp * MR + p * MR * kb;
     let at_b = |k0: usize, kb: usize, q: usize| k0 * np * NR + q * NR * kb;
     let mut edge = [0f32; MR * NR];
-    for ((&ao, &bo), out) in a.batch_offsets.iter().zip(&b.batch_offsets).zip(out.chunks_exact_mut(m * n)) {
+    let items = a.batch_offsets.iter().zip(&b.batch_offsets);
+    for ((&ao, &bo), out) in items.zip(out.spare_capacity_mut()[..len].chunks_exact_mut(m * n)) {
         for (k0, kb) in k_blocks() {
-            for p in 0..mp {
-                pack_a(a, x, ao, p, k0, kb, widen, &mut ap[at_a(k0, kb, p)..][..MR * kb]);
-            }
-            for q in 0..np {
-                pack_b(b, y, bo, q, k0, kb, widen, &mut bp[at_b(k0, kb, q)..][..NR * kb]);
-            }
+            // a's rows as panels of MR, b's columns as panels of NR; k runs along a's columns and b's rows.
+            let a_view = View { at: ao + k0 * a.col_stride, len: m, stride: a.row_stride, k_stride: a.col_stride };
+            pack::<_, MR>(&a_view, x, kb, widen, &mut ap[at_a(k0, kb, 0)..][..mp * MR * kb]);
+            let b_view = View { at: bo + k0 * b.row_stride, len: n, stride: b.col_stride, k_stride: b.row_stride };
+            pack::<_, NR>(&b_view, y, kb, widen, &mut bp[at_b(k0, kb, 0)..][..np * NR * kb]);
         }
+        // SAFETY: `pack` wrote every element of both (all k-blocks, every panel).
+        let (ap, bp) = unsafe { (assume_init(ap), assume_init(bp)) };
         for (k0, kb) in k_blocks() {
             let load = k0 > 0; // continue each element's chain where the block before left it
             for q0 in (0..np).step_by(ncp) {
@@ -379,12 +403,14 @@ fn products<T: Copy>(
                                 }
                                 None => {
                                     // An edge tile: through a full one, its valid part copied in and out.
-                                    for r in 0..rows {
-                                        edge[r * NR..r * NR + cols].copy_from_slice(&out[corner + r * n..][..cols]);
+                                    // SAFETY: the tile writes f32 values only.
+                                    let e = unsafe { as_uninit(&mut edge) };
+                                    for r in 0..if load { rows } else { 0 } {
+                                        e[r * NR..r * NR + cols].copy_from_slice(&out[corner + r * n..][..cols]);
                                     }
-                                    tile_fn(kb, apanel, bpanel, &mut edge, NR, load);
+                                    tile_fn(kb, apanel, bpanel, e, NR, load);
                                     for r in 0..rows {
-                                        out[corner + r * n..][..cols].copy_from_slice(&edge[r * NR..r * NR + cols]);
+                                        out[corner + r * n..][..cols].copy_from_slice(&e[r * NR..r * NR + cols]);
                                     }
                                     p += 1;
                                 }
@@ -395,125 +421,121 @@ fn products<T: Copy>(
             }
         }
     }
+    // SAFETY: the first k-block's tiles (k > 0 here) stored every element of every item's output.
+    unsafe { out.set_len(len) };
     out
+}
+
+/// One operand as the packing reads it: element (i, kk) of the panels'
+/// dimension `i` and the contraction `kk` is at `at + i·stride + kk·k_stride`.
+struct View {
+    at: usize,
+    len: usize,
+    stride: usize,
+    k_stride: usize,
+}
+
+/// Packs `kb` steps of the contraction of every panel of `W` along `v`'s
+/// `len` (rows of `a`, columns of `b`) into `panels`, as [panel][k][W],
+/// widened to f32; past the edge, 0 (it feeds only accumulators that are
+/// never stored). It reads along whichever dimension is contiguous, so a
+/// transposed view costs no more than a plain one.
+fn pack<T: Copy, const W: usize>(
+    v: &View,
+    x: &[T],
+    kb: usize,
+    widen: impl Fn(T) -> f32,
+    panels: &mut [MaybeUninit<f32>],
+) {
+    let full = v.len / W; // panels without an edge
+    if v.stride == 1 {
+        // Each step of k is one contiguous run over every panel: read in order, scattered W at a time.
+        for kk in 0..kb {
+            let run = &x[v.at + kk * v.k_stride..][..v.len];
+            let src = run.chunks_exact(W);
+            let edge = src.remainder();
+            let mut dst = panels[kk * W..].chunks_mut(W * kb);
+            for (s, d) in src.zip(&mut dst) {
+                let d: &mut [MaybeUninit<f32>; W] = (&mut d[..W]).try_into().unwrap();
+                (0..W).for_each(|w| _ = d[w].write(widen(s[w]))); // fixed length: no memcpy call
+            }
+            if let Some(d) = dst.next().filter(|_| !edge.is_empty()) {
+                (0..W).for_each(|w| _ = d[w].write(edge.get(w).map_or(0.0, |&s| widen(s))));
+            }
+        }
+    } else if v.k_stride == 1 {
+        // Each panel's W lines run along k: read side by side, the panel written in order.
+        for (p, panel) in panels.chunks_exact_mut(W * kb).enumerate() {
+            let base = v.at + p * W * v.stride;
+            if p < full {
+                let lines: [&[T]; W] = std::array::from_fn(|w| &x[base + w * v.stride..][..kb]);
+                for (kk, dst) in panel.chunks_exact_mut(W).enumerate() {
+                    (0..W).for_each(|w| _ = dst[w].write(widen(lines[w][kk])));
+                }
+            } else {
+                let lines = v.len - p * W;
+                for (kk, dst) in panel.chunks_exact_mut(W).enumerate() {
+                    (0..W).for_each(|w| {
+                        _ = dst[w].write(if w < lines { widen(x[base + w * v.stride + kk]) } else { 0.0 })
+                    });
+                }
+            }
+        }
+    } else {
+        for (p, panel) in panels.chunks_exact_mut(W * kb).enumerate() {
+            for (kk, dst) in panel.chunks_exact_mut(W).enumerate() {
+                (0..W).for_each(|w| {
+                    let i = p * W + w;
+                    _ = dst[w].write(if i < v.len { widen(x[v.at + i * v.stride + kk * v.k_stride]) } else { 0.0 })
+                });
+            }
+        }
+    }
+}
+
+/// A buffer every element of which has been written, as f32.
+///
+/// # Safety
+/// Every element of `s` must have been initialised.
+unsafe fn assume_init(s: &[MaybeUninit<f32>]) -> &[f32] {
+    // SAFETY: MaybeUninit<f32> has f32's layout; the caller vouches for the values.
+    unsafe { &*(s as *const [MaybeUninit<f32>] as *const [f32]) }
+}
+
+/// An initialised buffer, viewed as one that may be written.
+///
+/// # Safety
+/// Only initialised values may be written through it (it stays an `[f32]`).
+unsafe fn as_uninit(s: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: same layout; the caller writes only f32 values.
+    unsafe { &mut *(s as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 
 /// Asks for `rows` rows of 16 floats of `c` from `at` (row stride `ld`)
 /// to be brought into L1: a hint, no effect on any value.
 #[inline(always)]
-fn prefetch_rows(c: &[f32], at: usize, ld: usize, rows: usize) {
+fn prefetch_rows(c: &[MaybeUninit<f32>], at: usize, ld: usize, rows: usize) {
     #[cfg(target_arch = "x86_64")]
     for r in 0..rows {
         if let Some(x) = c.get(at + r * ld) {
             // SAFETY: a prefetch of an address inside `c`; it reads nothing.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((x as *const f32).cast()) };
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    (x as *const MaybeUninit<f32>).cast(),
+                )
+            };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (c, at, ld, rows);
 }
 
-/// Packs rows `p·MR..` of `a`, contraction `k0..k0 + kb`, as [k][MR]: read
-/// along whichever of its dimensions is contiguous (a transposed view too).
-/// Rows past the edge are left as they are: they only feed accumulators
-/// that are never stored.
-#[allow(clippy::too_many_arguments)]
-fn pack_a<T: Copy>(
-    a: &Operand,
-    x: &[T],
-    ao: usize,
-    p: usize,
-    k0: usize,
-    kb: usize,
-    widen: impl Fn(T) -> f32,
-    panel: &mut [f32],
-) {
-    let rows = MR.min(a.rows - p * MR);
-    let at = ao + p * MR * a.row_stride + k0 * a.col_stride;
-    if a.col_stride == 1 && rows == MR {
-        // Six rows read side by side, the panel written in order.
-        let r: [&[T]; MR] = std::array::from_fn(|i| &x[at + i * a.row_stride..][..kb]);
-        for (kk, dst) in panel.chunks_exact_mut(MR).enumerate().take(kb) {
-            for i in 0..MR {
-                dst[i] = widen(r[i][kk]);
-            }
-        }
-    } else if a.col_stride == 1 {
-        for r in 0..rows {
-            let row = &x[at + r * a.row_stride..][..kb];
-            for (kk, &v) in row.iter().enumerate() {
-                panel[kk * MR + r] = widen(v);
-            }
-        }
-    } else if a.row_stride == 1 {
-        for (kk, dst) in panel.chunks_exact_mut(MR).enumerate() {
-            let src = &x[at + kk * a.col_stride..][..rows];
-            match rows {
-                MR => (0..MR).for_each(|r| dst[r] = widen(src[r])), // fixed length: no memcpy call
-                _ => dst[..rows].iter_mut().zip(src).for_each(|(d, &v)| *d = widen(v)),
-            }
-        }
-    } else {
-        for kk in 0..kb {
-            for r in 0..rows {
-                panel[kk * MR + r] = widen(x[at + r * a.row_stride + kk * a.col_stride]);
-            }
-        }
-    }
-}
-
-/// Packs columns `q·NR..` of `b`, contraction `k0..k0 + kb`, as [k][NR].
-#[allow(clippy::too_many_arguments)]
-fn pack_b<T: Copy>(
-    b: &Operand,
-    y: &[T],
-    bo: usize,
-    q: usize,
-    k0: usize,
-    kb: usize,
-    widen: impl Fn(T) -> f32,
-    panel: &mut [f32],
-) {
-    let cols = NR.min(b.cols - q * NR);
-    let at = bo + q * NR * b.col_stride + k0 * b.row_stride;
-    if b.col_stride == 1 {
-        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
-            let src = &y[at + kk * b.row_stride..][..cols];
-            match cols {
-                NR => (0..NR).for_each(|c| dst[c] = widen(src[c])), // fixed length: no memcpy call
-                _ => dst[..cols].iter_mut().zip(src).for_each(|(d, &v)| *d = widen(v)),
-            }
-        }
-    } else if b.row_stride != 1 {
-        for kk in 0..kb {
-            for c in 0..cols {
-                panel[kk * NR + c] = widen(y[at + kk * b.row_stride + c * b.col_stride]);
-            }
-        }
-    } else if cols == NR {
-        // Sixteen columns (rows of the transposed view) read side by side, the panel written in order.
-        let c: [&[T]; NR] = std::array::from_fn(|j| &y[at + j * b.col_stride..][..kb]);
-        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate().take(kb) {
-            for j in 0..NR {
-                dst[j] = widen(c[j][kk]);
-            }
-        }
-    } else {
-        for c in 0..cols {
-            let col = &y[at + c * b.col_stride..][..kb];
-            for (kk, &v) in col.iter().enumerate() {
-                panel[kk * NR + c] = widen(v);
-            }
-        }
-    }
-}
-
 /// One tile: `k` steps of the chains of its MR × NR elements, whose
 /// accumulators start from `c` (row stride `ldc`) when `load`, from 0
 /// otherwise, and end in `c`.
-type TileFn = fn(usize, &[f32], &[f32], &mut [f32], usize, bool);
+type TileFn = fn(usize, &[f32], &[f32], &mut [MaybeUninit<f32>], usize, bool);
 /// Two row panels against one column panel: the two tiles one above the other in `c`.
-type PairFn = fn(usize, &[f32], &[f32], &[f32], &mut [f32], usize, bool);
+type PairFn = fn(usize, &[f32], &[f32], &[f32], &mut [MaybeUninit<f32>], usize, bool);
 
 /// The tiles of `isa`: the same bits from each, only faster.
 fn tiles(isa: Isa) -> (TileFn, Option<PairFn>) {
@@ -529,10 +551,11 @@ fn tiles(isa: Isa) -> (TileFn, Option<PairFn>) {
 // ANCHOR: tile
 /// The register tile, portably: `acc = fma(a, b, acc)` for k in order,
 /// `acc` starting from the output's values when `load` (the chain so far).
-fn tile_portable(k: usize, ap: &[f32], bp: &[f32], c: &mut [f32], ldc: usize, load: bool) {
+fn tile_portable(k: usize, ap: &[f32], bp: &[f32], c: &mut [MaybeUninit<f32>], ldc: usize, load: bool) {
     let mut acc = [0f32; MR * NR];
     if load {
-        (0..MR).for_each(|r| acc[r * NR..][..NR].copy_from_slice(&c[r * ldc..][..NR]));
+        // SAFETY: with `load`, the k-block before stored this tile.
+        (0..MR * NR).for_each(|e| acc[e] = unsafe { c[e / NR * ldc + e % NR].assume_init() });
     }
     for (a, b) in ap.chunks_exact(MR).zip(bp.chunks_exact(NR)).take(k) {
         for r in 0..MR {
@@ -541,16 +564,17 @@ fn tile_portable(k: usize, ap: &[f32], bp: &[f32], c: &mut [f32], ldc: usize, lo
             }
         }
     }
-    (0..MR).for_each(|r| c[r * ldc..][..NR].copy_from_slice(&acc[r * NR..][..NR]));
+    (0..MR * NR).for_each(|e| _ = c[e / NR * ldc + e % NR].write(acc[e]));
 }
 // ANCHOR_END: tile
 
 #[cfg(target_arch = "x86_64")]
-fn tile_avx2(k: usize, ap: &[f32], bp: &[f32], c: &mut [f32], ldc: usize, load: bool) {
+fn tile_avx2(k: usize, ap: &[f32], bp: &[f32], c: &mut [MaybeUninit<f32>], ldc: usize, load: bool) {
     assert!(ap.len() >= k * MR && bp.len() >= k * NR && c.len() >= (MR - 1) * ldc + NR);
     // SAFETY: chosen only where the CPU has AVX2 and FMA; the loads stay
-    // within the panels and `c` (checked above), the stores within `c`.
-    unsafe { tile_avx2_inner(k, ap.as_ptr(), bp.as_ptr(), c.as_mut_ptr(), ldc, load) }
+    // within the panels and `c` (checked above), the stores within `c`; `c`
+    // is read only with `load`, when the k-block before stored it.
+    unsafe { tile_avx2_inner(k, ap.as_ptr(), bp.as_ptr(), c.as_mut_ptr().cast(), ldc, load) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -581,11 +605,12 @@ unsafe fn tile_avx2_inner(k: usize, ap: *const f32, bp: *const f32, c: *mut f32,
 }
 
 #[cfg(target_arch = "x86_64")]
-fn pair_avx512(k: usize, ap0: &[f32], ap1: &[f32], bp: &[f32], c: &mut [f32], ldc: usize, load: bool) {
+fn pair_avx512(k: usize, ap0: &[f32], ap1: &[f32], bp: &[f32], c: &mut [MaybeUninit<f32>], ldc: usize, load: bool) {
     assert!(ap0.len() >= k * MR && ap1.len() >= k * MR && bp.len() >= k * NR && c.len() >= (2 * MR - 1) * ldc + NR);
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
-    // panels and `c` (checked above), stores within `c`.
-    unsafe { pair_avx512_inner(k, ap0.as_ptr(), ap1.as_ptr(), bp.as_ptr(), c.as_mut_ptr(), ldc, load) }
+    // panels and `c` (checked above), stores within `c`; `c` is read only
+    // with `load`, when the k-block before stored it.
+    unsafe { pair_avx512_inner(k, ap0.as_ptr(), ap1.as_ptr(), bp.as_ptr(), c.as_mut_ptr().cast(), ldc, load) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -671,8 +696,7 @@ mod tests {
     /// Every path the CPU runs, each with this CPU's blocks and with blocks
     /// forced small (so that edge blocks and several k-blocks are exercised).
     fn paths() -> Vec<Path> {
-        let small =
-            [Blocks { kc: 7, mc: 6, nc: 16 }, Blocks { kc: 5, mc: 12, nc: 32 }, Blocks { kc: 64, mc: 18, nc: 48 }];
+        let small = [Blocks::fixed(7, 6, 16), Blocks::fixed(5, 12, 32), Blocks::fixed(64, 18, 48)];
         Isa::available()
             .into_iter()
             .flat_map(|isa| std::iter::once(Blocks::for_this_cpu()).chain(small).map(move |b| Path::Forced(isa, b)))
@@ -723,15 +747,19 @@ mod tests {
     #[test]
     fn blocks_follow_the_caches() {
         // A Zen 3 core: 32 KiB L1d, 512 KiB L2, 32 MiB L3.
-        let b = Blocks::from_caches(512 << 10, 32 << 20);
-        assert_eq!(b, Blocks { kc: 1536, mc: 1362, nc: 1360 });
+        let b = Blocks::from_caches(32 << 10, 512 << 10, 32 << 20);
+        assert_eq!(b, Blocks { kc: 1536, mc: 1362, nc: 1360, kc_small: 256, small_out: 256 << 10 });
         assert_eq!(b.mc % MR + b.nc % NR, 0);
-        // A kc-deep panel of b: 3/16 of L2.
+        // A kc-deep panel of b: 3/16 of L2; a kc_small-deep one: half of L1.
         assert_eq!(4 * b.kc * NR, (512 << 10) * 3 / 16);
+        assert_eq!(4 * b.kc_small * NR, (32 << 10) / 2);
         // The contraction in the fewest equal blocks: 1536 whole, 2048 in two, 4000 in three.
-        assert_eq!((b.kc_for(1536), b.kc_for(2048), b.kc_for(4000), b.kc_for(7)), (1536, 1024, 1334, 7));
-        let tiny = Blocks::from_caches(1, 1);
-        assert_eq!(tiny, Blocks { kc: 64, mc: MR, nc: NR }, "at least one tile");
+        let large = |k| b.kc_for(k, 1024, 1024);
+        assert_eq!((large(1536), large(2048), large(4000), large(7)), (1536, 1024, 1334, 7));
+        // An output that fits in half of L2 (512 × 128 floats = 256 KiB): blocks of L1's size.
+        assert_eq!((b.kc_for(512, 512, 128), b.kc_for(512, 513, 128), b.kc_for(600, 384, 128)), (256, 512, 200));
+        let tiny = Blocks::from_caches(1, 1, 1);
+        assert_eq!(tiny, Blocks { kc: 64, mc: MR, nc: NR, kc_small: 64, small_out: 0 }, "at least one tile");
     }
 
     #[test]

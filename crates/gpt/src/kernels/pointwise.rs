@@ -22,7 +22,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 
-use super::common::{cpu, narrow, nonempty, row_sum, values};
+use super::common::{cpu, map_f32, narrow, nonempty, row_sum, values, zip_map_f32};
 
 /// `x + b` with `b` (N) added to every row of `x` (…, N). Differentiable.
 pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -43,7 +43,7 @@ struct GeluBackward;
 macro_rules! map {
     ($s:expr, $l:expr, $op:expr, |$v:ident| $f32:expr, $f64:expr) => {{
         match $s.dtype() {
-            DType::F32 => CpuStorage::F32(values::<f32>($s, $l, $op)?.iter().map(|&$v| $f32).collect()),
+            DType::F32 => CpuStorage::F32(map_f32(values::<f32>($s, $l, $op)?, |$v| $f32)),
             DType::F64 => CpuStorage::F64(values::<f64>($s, $l, $op)?.iter().map(|&$v| $f64).collect()),
             DType::BF16 => CpuStorage::BF16(
                 values::<bf16>($s, $l, $op)?
@@ -142,7 +142,7 @@ impl CustomOp2 for GeluBackward {
         let out = match (s1, s2) {
             (CpuStorage::F32(_), CpuStorage::F32(_)) => {
                 let (x, g) = (values::<f32>(s1, l1, op)?, values::<f32>(s2, l2, op)?);
-                CpuStorage::F32(x.iter().zip(g).map(|(&x, &g)| g * dgelu_f32(x)).collect())
+                CpuStorage::F32(zip_map_f32(x, g, |x, g| g * dgelu_f32(x)))
             }
             (CpuStorage::F64(_), CpuStorage::F64(_)) => {
                 let (x, g) = (values::<f64>(s1, l1, op)?, values::<f64>(s2, l2, op)?);
@@ -272,6 +272,27 @@ mod tests {
                 assert!((a - numeric).abs() < 1e-6, "arg {k} element {e}: analytic {a}, numeric {numeric}");
             }
         }
+    }
+
+    #[test]
+    fn eight_lanes_give_the_bits_of_one() {
+        // The element-wise loops run AVX2-wide where the CPU has it; each
+        // element must still be the scalar formula's bits. Values across
+        // GELU's whole range, edges included: ±0, tiny, huge, ±∞, NaN (a NaN
+        // need only stay a NaN: its sign and payload are the hardware's).
+        let mut rng = crate::rng::SplitMix64::new(11);
+        let mut x: Vec<f32> = (0..4099).map(|_| (rng.normal() * 4.0) as f32).collect();
+        x.extend([0.0, -0.0, 1e-40, -1e-30, 30.0, -30.0, 1e30, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+        let g: Vec<f32> = x.iter().rev().copied().collect();
+        // One element at a time, through an opaque call: no loop for the compiler to widen.
+        let check = |what: &str, wide: Vec<f32>, one: &dyn Fn(usize) -> f32| {
+            for (i, &w) in wide.iter().enumerate() {
+                let s = std::hint::black_box(one(i));
+                assert!(w.to_bits() == s.to_bits() || (w.is_nan() && s.is_nan()), "{what}({}): {w:e} vs {s:e}", x[i]);
+            }
+        };
+        check("gelu", map_f32(&x, gelu_f32), &|i| gelu_f32(x[i]));
+        check("gelu backward", zip_map_f32(&x, &g, |x, g| g * dgelu_f32(x)), &|i| g[i] * dgelu_f32(x[i]));
     }
 
     /// The f32 `exp` and `erf` against `libm` (f64) over their whole useful range.

@@ -11,7 +11,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use fsdp_gpt::GptConfig;
 
 /// Writes a sharded checkpoint's weights as one safetensors file with nanoGPT names.
 #[derive(Debug, Parser)]
@@ -31,14 +30,7 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> anyhow::Result<()> {
     let (meta, state) = fsdp_harness::checkpoint::read(&args.ckpt, "--ckpt")?;
-    let m = &meta.model;
-    let cfg = GptConfig {
-        vocab_size: m.vocab_size,
-        block_size: m.block_size,
-        n_layer: m.n_layer,
-        n_head: m.n_head,
-        n_embd: m.n_embd,
-    };
+    let (m, cfg) = (&meta.model, meta.model.config());
     fsdp_gpt::weights_file::save(&args.out, &cfg, &meta.data.vocab, &state.master)?;
     println!(
         "{}: {} at step {}, {} shard file(s) from {} rank(s) → {} ({} params, digest {:016x})",
