@@ -287,9 +287,11 @@ mod tests {
         let mut w = Writes(vec![]);
         one_write(&mut w, &format!("error (rank {}): {}", 3, "internal error: boom")).unwrap();
         assert_eq!(w.0, vec![b"error (rank 3): internal error: boom\n".to_vec()]);
-        // eprintln!'s way, write_fmt, writes the same line in pieces.
+        // eprintln!'s way, write_fmt, writes the same line in pieces (arguments the
+        // compiler cannot fold into the text: a rank and a message known at run time).
+        let (rank, msg) = (std::hint::black_box(3), std::hint::black_box("boom"));
         let mut pieces = Writes(vec![]);
-        std::io::Write::write_fmt(&mut pieces, format_args!("error (rank {}): {}\n", 3, "boom")).unwrap();
+        std::io::Write::write_fmt(&mut pieces, format_args!("error (rank {rank}): {msg}\n")).unwrap();
         assert!(pieces.0.len() > 1, "{:?}", pieces.0);
     }
 
