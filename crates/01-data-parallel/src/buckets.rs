@@ -155,9 +155,9 @@ impl Buckets {
         for (i, b) in self.list.iter_mut().enumerate().filter(|(_, b)| b.units.last() == Some(&u)) {
             let (mut buf, shard) = b.bufs.take().expect("a bucket is all-reduced once per step");
             pack(b, groups, world, &mut buf, |g, piece| adding.final_part(g, piece));
-            let name = b.name();
-            b.in_flight =
-                Some(w.all_reduce_async(buf, groups, shard).label(w, || format!("all_reduce bucket {i} ({name})")));
+            let pending = w.all_reduce_async(buf, groups, shard);
+            // The label is built only when a trace is being recorded.
+            b.in_flight = Some(pending.label(w, || format!("all_reduce bucket {i} ({})", b.name())));
         }
     }
 

@@ -104,14 +104,13 @@ fn whole_model_step(
     let mut sums: Vec<Option<MicroBatchSum>> = units.iter().map(|u| Some(s.grad_sum(u.layout().padded))).collect(); // one per unit
     let (mut loss_sum, last) = (0.0, s.my_micro_batches().end - 1);
     for k in s.my_micro_batches() {
-        if overlap_comm && k == last {
-            let loss = hand_offs(units, &mut sums, s, &vars, step, k, recompute, |unit, sum, grads| {
+        let loss = if overlap_comm && k == last {
+            hand_offs(units, &mut sums, s, &vars, step, k, recompute, |unit, sum, grads| {
                 let mut sum = sum.take().expect("a unit is handed on once");
                 sum.add(|buf| unit.add_grads(grads, buf))?;
                 unit.reduce_scatter(w, &mut sum); // on the stream; the sum's buffers go with it
                 Ok(())
-            })?;
-            loss_sum += loss as f64;
+            })?
         } else {
             let (loss, grads) = w.traced(
                 || format!("forward+backward, micro-batch {k}"),
@@ -120,8 +119,9 @@ fn whole_model_step(
             for ((sum, vs), u) in sums.iter_mut().flatten().zip(&per_unit).zip(units.iter()) {
                 sum.add(|buf| grads.add_to(u.params(), vs, buf))?;
             }
-            loss_sum += loss as f64;
-        }
+            loss
+        };
+        loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}"));
     }
     drop((vars, per_unit));

@@ -178,6 +178,18 @@ impl Comm {
         (self.size - 1) * std::mem::size_of_val(mine)
     }
 
+    /// Bytes each rank sends in a reduce-scatter of `groups` f32 sums packed
+    /// per rank, each rank keeping `shard` elements: its all-to-all.
+    pub(crate) fn reduce_scatter_bytes(&self, groups: usize, shard: usize) -> usize {
+        groups * (self.size - 1) * shard * F32
+    }
+
+    /// Bytes each rank sends in an ordered all-reduce of `groups` sums: their
+    /// reduce-scatter, then one all-gather of the `shard`.
+    pub(crate) fn all_reduce_bytes(&self, groups: usize, shard: usize) -> usize {
+        (groups + 1) * (self.size - 1) * shard * F32
+    }
+
     pub(crate) fn all_gather_untimed<T: Equivalence + Copy>(&self, mine: &[T], all: &mut [T]) {
         assert_eq!(all.len(), mine.len() * self.size, "all_gather: output must hold N shards");
         if self.size == 1 {
@@ -197,7 +209,7 @@ impl Comm {
     /// reduce-scatter, but a summation order that never depends on N's
     /// factorisation or on MPI's choice of algorithm.
     pub fn reduce_scatter(&self, full: &[f32], mine: &mut [f32]) {
-        let bytes = (self.size - 1) * mine.len() * F32;
+        let bytes = self.reduce_scatter_bytes(1, mine.len());
         self.timed(Collective::ReduceScatter, bytes, bytes, || {
             self.reduce_scatter_packed(full, 1, mine, self.rank_sum())
         });
@@ -261,7 +273,7 @@ impl Comm {
             return self.reduce_scatter(only, mine);
         }
         let (k, n) = (groups.len(), mine.len());
-        let bytes = k * (self.size - 1) * n * F32;
+        let bytes = self.reduce_scatter_bytes(k, n);
         self.timed(Collective::ReduceScatter, bytes, bytes, || {
             let send = pack_groups(groups, self.size, n);
             self.reduce_scatter_packed(&send, k, mine, self.rank_sum())
@@ -277,7 +289,7 @@ impl Comm {
             return self.all_reduce(only, shard);
         }
         let k = groups.len();
-        let bytes = (k + 1) * (self.size - 1) * shard.len() * F32;
+        let bytes = self.all_reduce_bytes(k, shard.len());
         self.timed(Collective::AllReduce, bytes, bytes, || {
             let send = pack_groups(groups, self.size, shard.len());
             self.reduce_scatter_packed(&send, k, shard, self.rank_sum());
@@ -318,7 +330,7 @@ impl Comm {
         let layout = ShardLayout::new(buf.len(), self.size);
         assert_eq!(layout.padding(), 0, "all_reduce: pad the buffer to a multiple of the world size");
         assert_eq!(shard.len(), layout.shard_len, "all_reduce: shard buffer must be 1/N of the vector");
-        let bytes = 2 * (self.size - 1) * layout.shard_len * F32;
+        let bytes = self.all_reduce_bytes(1, layout.shard_len);
         self.timed(Collective::AllReduce, bytes, bytes, || self.all_reduce_packed(buf, 1, shard, self.rank_sum()));
     }
 
@@ -326,7 +338,7 @@ impl Comm {
     /// order is MPI's choice and differs between world sizes and from
     /// `MPI_Reduce_scatter` — kept only to measure against the ordered one.
     pub fn all_reduce_native<'a>(&self, buf: &'a mut [f32]) -> &'a mut [f32] {
-        let bytes = 2 * (self.size - 1) * buf.len().div_ceil(self.size) * F32;
+        let bytes = self.all_reduce_bytes(1, buf.len().div_ceil(self.size));
         self.timed(Collective::AllReduce, bytes, bytes, || {
             if self.size > 1 {
                 let send = buf.to_vec();

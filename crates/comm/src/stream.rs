@@ -373,7 +373,7 @@ impl Stream {
         groups: usize,
         mine: Vec<f32>,
     ) -> Pending<Vec<f32>> {
-        let bytes = groups * (rec.size() - 1) * mine.len() * 4;
+        let bytes = rec.reduce_scatter_bytes(groups, mine.len());
         let op = Op::ReduceScatter { send, groups, mine, rank_sum: rec.rank_sum() };
         self.pending(op, Collective::ReduceScatter, bytes, |op| match op {
             // `send` is freed here, in the wait, on the compute thread.
@@ -391,7 +391,7 @@ impl Stream {
         groups: usize,
         shard: Vec<f32>,
     ) -> Pending<(Vec<f32>, Vec<f32>)> {
-        let bytes = (groups + 1) * (rec.size() - 1) * shard.len() * 4;
+        let bytes = rec.all_reduce_bytes(groups, shard.len());
         let op = Op::AllReduce { buf, groups, shard, rank_sum: rec.rank_sum() };
         self.pending(op, Collective::AllReduce, bytes, |op| match op {
             Op::AllReduce { buf, shard, .. } => (buf, shard),

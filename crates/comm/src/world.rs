@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use mpi::environment::Threading;
 use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
 use thiserror::Error;
 
 use crate::comm::{Comm, pack_groups};
@@ -54,10 +55,9 @@ impl World {
         let world = SimpleCommunicator::world();
         // FSDP_SYNC_COLLECTIVES: every rank must agree, or a barrier would meet
         // a collective (a rank on another machine may not see the variable).
-        let probe = Comm::new(SimpleCommunicator::world(), false, None);
         let mine = u8::from(std::env::var_os("FSDP_SYNC_COLLECTIVES").is_some_and(|v| v == "1"));
-        let mut all = vec![0u8; probe.size()];
-        probe.all_gather_untimed(&[mine][..], &mut all[..]);
+        let mut all = vec![0u8; world.size() as usize];
+        world.all_gather_into(&[mine][..], &mut all[..]); // the first collective, untimed
         let sync = all.contains(&1);
         Ok(Self { comm: Comm::new(world, sync, None), stream: OnceCell::new(), threading, _universe: universe })
     }

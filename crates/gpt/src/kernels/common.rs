@@ -34,19 +34,19 @@ pub(super) fn zip_map_f32(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Co
     }
     let len = x.len().min(y.len());
     let mut out = Vec::with_capacity(len); // not zeroed: every element is written below
-    #[cfg(target_arch = "x86_64")]
-    if avx2() {
-        #[target_feature(enable = "avx2")]
-        fn on_avx2(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
-            each(x, y, out, f)
+    let dst = &mut out.spare_capacity_mut()[..len];
+    match avx2() {
+        #[cfg(target_arch = "x86_64")]
+        true => {
+            #[target_feature(enable = "avx2")]
+            fn on_avx2(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
+                each(x, y, out, f)
+            }
+            // SAFETY: the CPU has AVX2 (detected).
+            unsafe { on_avx2(x, y, dst, f) }
         }
-        // SAFETY: the CPU has AVX2 (detected above).
-        unsafe { on_avx2(x, y, &mut out.spare_capacity_mut()[..len], f) };
-    } else {
-        each(x, y, &mut out.spare_capacity_mut()[..len], f);
+        _ => each(x, y, dst, f),
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    each(x, y, &mut out.spare_capacity_mut()[..len], f);
     // SAFETY: `each` wrote all `len` elements.
     unsafe { out.set_len(len) };
     out
