@@ -177,6 +177,17 @@ alpha-beta: build
     [ -z "$limit" ] || echo "Open MPI's shared-memory eager limit (ompi_info: btl_vader_eager_limit): $limit bytes" | tee -a "$out/alpha-beta.txt"
     if [ "${BOOK:-}" = 1 ]; then cp "$out/alpha-beta.txt" book/src/generated/bench-alpha-beta.txt; echo "copied into book/src/generated/ for the performance appendix"; fi
 
+# Full sharding against hybrid sharding across machines (root): lesson 03 on 2 simulated nodes of 2
+# ranks, the link between them shaped to RATE — full shard without and with --prefetch, and --hsdp 2
+# (a shard group per node) — step time, bytes between the nodes as counted and as the link's counter
+# saw them, bytes inside the nodes, heap per rank. `BOOK=1 just hsdp` copies the table into the book.
+hsdp RATE="500mbit" *ARGS: build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    rm -rf out/hsdp
+    bash scripts/cluster.sh --nodes 2 --slots 2 --rate {{RATE}} -- python3 scripts/hsdp.py --rate {{RATE}} {{ARGS}}
+    if [ "${BOOK:-}" = 1 ]; then cp out/hsdp/hsdp.txt book/src/generated/04-hsdp-cluster.txt; echo "copied into book/src/generated/"; fi
+
 # A cluster on one machine (root): NODES network namespaces on one switch, each link shaped to RATE
 # (as tc writes it; none: unshaped); runs CMD in node1 with the hostfile out/cluster/hosts, then removes it all:
 #   just cluster 2 500mbit mpirun -q --hostfile out/cluster/hosts -n 2 -x RAYON_NUM_THREADS=1 target/release/step03-layerwise-shard

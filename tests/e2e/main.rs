@@ -10,6 +10,7 @@ mod book;
 mod checkpoint;
 mod clip;
 mod exercises;
+mod hsdp;
 mod lesson01;
 mod lesson02;
 mod lesson03;

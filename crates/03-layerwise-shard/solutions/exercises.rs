@@ -3,7 +3,7 @@
 //! The lesson runs these unless `--mine K` switches exercise 3.K to yours.
 use anyhow::Context;
 use candle_core::{Tensor, Var};
-use fsdp_comm::{ExactSquares, MicroBatchSum, World};
+use fsdp_comm::{Comm, ExactSquares, MicroBatchSum};
 use fsdp_gpt::model::add_grads;
 use fsdp_harness::Session;
 
@@ -36,10 +36,10 @@ pub fn backward_entry(
 /// 3.2: each element squared exactly and added into one fixed-point
 /// integer, then every rank's integer added (exact: any order, the same
 /// bits); only the square root rounds.
-pub fn global_norm(w: &World, shards: &[&[f32]]) -> f64 {
+pub fn global_norm(group: &Comm, shards: &[&[f32]]) -> f64 {
     let mut mine = ExactSquares::default();
     for g in shards {
         mine.merge(&ExactSquares::of(g));
     }
-    w.exact_sum(&mine).norm()
+    group.exact_sum(&mine).norm()
 }

@@ -16,7 +16,7 @@
 //! snapshot, bit for bit. Hints are in the book's chapter 03.
 #![allow(dead_code)]
 use candle_core::{Tensor, Var};
-use fsdp_comm::{MicroBatchSum, World};
+use fsdp_comm::{Comm, MicroBatchSum};
 use fsdp_harness::Session;
 
 use crate::units::FsdpUnit;
@@ -53,12 +53,14 @@ pub fn backward_entry(
 /// **Exercise 3.2 — the global norm across shards.** Under `--grad-clip`
 /// the mean gradient is scaled by min(1, C / (‖g‖ + 1e-6)), where ‖g‖ is
 /// the norm of the *whole* gradient. This rank holds only `shards`: its
-/// shard of every unit's mean gradient (padding is zeros). Return ‖g‖ over
-/// every element of every rank's shards, the same f64 on every rank, with
-/// the sum of squares exact (`fsdp_comm::ExactSquares`), so that no split
-/// of the model over ranks changes a bit of it.
-pub fn global_norm(w: &World, shards: &[&[f32]]) -> f64 {
+/// shard of every unit's mean gradient (padding is zeros); `group` is the
+/// ranks that share the model between them (the world; under `--hsdp`, my
+/// shard group). Return ‖g‖ over every element of every shard in `group`,
+/// the same f64 on every rank, with the sum of squares exact
+/// (`fsdp_comm::ExactSquares`), so that no split of the model over ranks
+/// changes a bit of it.
+pub fn global_norm(group: &Comm, shards: &[&[f32]]) -> f64 {
     // TODO(exercise): 3.2
-    let _ = (w, shards);
+    let _ = (group, shards);
     todo!("exercise 3.2: the norm of the whole gradient, from every rank's shards")
 }

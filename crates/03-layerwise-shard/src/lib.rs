@@ -2,8 +2,8 @@
 //!
 //! [`LayerwiseShard`] walks the model unit by unit: all-gather, compute,
 //! free; in backward re-gather, recompute, backpropagate, reduce-scatter.
-//! [`units`] holds the units themselves (all of lesson 04's stages reuse them)
-//! and [`tally`] the bytes they cost.
+//! [`units`] holds the units themselves (all of lesson 04's stages reuse them),
+//! [`tally`] the bytes they cost and [`hsdp`] hybrid sharding's flag and traffic.
 //!
 //! ```no_run
 //! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
@@ -16,6 +16,7 @@
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }
 //! ```
+pub mod hsdp;
 pub mod layerwise_shard;
 pub mod tally;
 pub mod units;

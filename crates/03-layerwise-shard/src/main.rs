@@ -11,14 +11,14 @@ use std::process::ExitCode;
 
 use anyhow::anyhow;
 use clap::Parser;
-use fsdp_comm::{Collective, nan_max};
+use fsdp_comm::nan_max;
 use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::tally::{bytes_per_step, lower_peak, tally, unsharded_peak_table};
-use step03_layerwise_shard::units::{UnitPolicy, build_units, largest_padded};
-use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
+use step03_layerwise_shard::units::{UnitPolicy, build_units, reserve_receive_buffers};
+use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp};
 
 const LESSON: Lesson =
     Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time", exercises: 2 };
@@ -54,6 +54,12 @@ struct Args {
     /// unit whose gradient differs.
     #[arg(long)]
     unit_digests: bool,
+    /// Hybrid sharding (HSDP, FSDP2's 2-D mesh): shard each unit within
+    /// groups of S consecutive ranks, replicate across the N/S groups — an
+    /// all-gather and reduce-scatter inside the group, then each gradient
+    /// shard all-reduced across the groups. S = N is plain FSDP.
+    #[arg(long, allow_negative_numbers = true, value_name = "S")]
+    hsdp: Option<usize>,
 }
 
 fn main() -> ExitCode {
@@ -75,12 +81,15 @@ fn main() -> ExitCode {
                 _ => Ok(()),
             },
         )?;
+        if let Some(size) = args.hsdp {
+            fsdp_harness::edge::agree(world, hsdp::refusal(&s, size, args.prefetch).map_or(Ok(()), Err))?;
+        }
         if args.prefetch {
             // FSDP2's streams: a communication thread of its own, started on every rank together.
             s.start_stream()?;
         }
         // My shard of every unit, cut from the seed's weights (or the checkpoint's).
-        let policy = UnitPolicy { overlap: args.prefetch, ..UnitPolicy::default() };
+        let policy = UnitPolicy { overlap: args.prefetch, hsdp: args.hsdp, ..UnitPolicy::default() };
         let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, policy)?;
         let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
         let head_grad = args.head_grad.unwrap_or_else(|| lower_peak(&s, &units, args.prefetch));
@@ -93,6 +102,7 @@ fn main() -> ExitCode {
                     false => "off".into(),
                 },
             ),
+            ("sharding", hsdp::describe(world.size(), args.hsdp)),
             ("tied wte's gradient", head_grad.describe(s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size)),
             (
                 "check against lesson 02",
@@ -100,7 +110,7 @@ fn main() -> ExitCode {
             ),
         ]);
 
-        s.reserve_receive_buffer(largest_padded(&units), args.prefetch); // on the stream's thread under --prefetch
+        reserve_receive_buffers(&s, &units, args.prefetch); // on the stream's thread under --prefetch
         let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch, head_grad };
         let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true, None)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes
@@ -131,7 +141,7 @@ fn main() -> ExitCode {
         run.finish();
         let reference_tally = reference.as_ref().map(|r| r.tally(&s));
         drop(reference);
-        let training_traffic = world.traffic();
+        let sent = hsdp::Sent::now(world);
         let full = fsdp.gather_full(&s);
 
         let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout()).collect();
@@ -159,13 +169,10 @@ fn main() -> ExitCode {
             memory.apart("--check: lesson 02's step, above this one's", above as usize, 1, "its whole-model backward");
         }
         let mut report = Report::new(&s, &run, memory);
+        hsdp::report_traffic(&mut report, &s, &layouts, sent, gather_bytes, scatter_bytes);
         report
-            .traffic(training_traffic)
             .table(units.render())
             .table(unsharded_peak_table(&fsdp.units, args.prefetch).render())
-            .expect_traffic(Collective::AllGather, gather_bytes)
-            .expect_traffic(Collective::ReduceScatter, scatter_bytes)
-            .expect_traffic_if(Collective::GradNorm, s.clip_traffic())
             .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
             .json("divergence", serde_json::json!(divergence))
             .json("units", step03_layerwise_shard::units::units_json(&fsdp.units))

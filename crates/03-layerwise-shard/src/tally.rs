@@ -7,7 +7,7 @@ use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
 use crate::layerwise_shard::HeadGrad;
-use crate::units::{FsdpUnit, largest_padded};
+use crate::units::{FsdpUnit, receive_buffers};
 
 // ANCHOR: tally
 /// Bytes this rank holds, by category, from shapes: every unit's shards
@@ -16,7 +16,7 @@ use crate::units::{FsdpUnit, largest_padded};
 /// micro-batch — with what it carries from the entries before it.
 /// Lesson 04's stage 3 runs the same schedule and uses it too.
 pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) -> MemoryTally {
-    let n = s.world.size();
+    let n = units[0].layout().world; // the ranks a unit is sharded over: N, or S under --hsdp
     let e = units[0].param_bytes(); // the compute dtype's bytes
     let dt = if e == 2 { "bf16" } else { "fp32" };
     let ((b, t), c, v) = (s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size);
@@ -28,8 +28,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         .add("AdamW m shards", shard, 4, &share)
         .add("AdamW v shards", shard, 4, &share)
         .add("grad shards (fp32)", shard, 4, "reduce-scattered, 1/N of every unit");
-    if let Some(len) = s.receive_buffer_len(largest_padded(units)) {
-        k.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, largest unit, kept");
+    for (category, len, note) in receive_buffers(s, units) {
+        k.add(category, len, 4, note);
     }
     s.data_tally(&mut k);
 
@@ -288,4 +288,5 @@ pub fn bytes_per_step(units: &[ShardLayout], head: HeadGrad, gather_elem: usize)
     }
     (gather, scatter)
 }
+
 // ANCHOR_END: traffic

@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{MicroBatchSum, Pending, ShardLayout, World};
+use fsdp_comm::{Comm, MicroBatchSum, Pending, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
@@ -57,11 +57,15 @@ pub struct UnitPolicy {
     /// stream of its own; the lessons under their overlap flags), the call
     /// returning at once; else a blocking reduce-scatter.
     pub overlap: bool,
+    /// `--hsdp S` (FSDP2's 2-D mesh, `(Replicate(), Shard(0))`): shard among
+    /// the S ranks of my shard group ([`fsdp_comm::Mesh`]) instead of the
+    /// world, and sum each reduce-scattered shard across my replica group.
+    pub hsdp: Option<usize>,
 }
 
 impl Default for UnitPolicy {
     fn default() -> Self {
-        Self { reshard_after_forward: true, param_dtype: DType::F32, bf16_wire: bf16_bits, overlap: false }
+        Self { reshard_after_forward: true, param_dtype: DType::F32, bf16_wire: bf16_bits, overlap: false, hsdp: None }
     }
 }
 
@@ -128,8 +132,11 @@ impl FsdpUnit {
             ranges.push(len..len + table.specs[i].numel());
             len += table.specs[i].numel();
         }
-        let layout = ShardLayout::new(len, world.size());
-        let mine = model_ranges(table, &params, layout, world.rank());
+        // Sharded over the world, or under HSDP over my shard group: the
+        // same layout as full sharding over S ranks (a checkpoint is one).
+        let group = groups(world, policy).0;
+        let layout = ShardLayout::new(len, group.size());
+        let mine = model_ranges(table, &params, layout, group.rank());
         let padded = |mut v: Vec<f32>| {
             v.resize(layout.shard_len, 0.0); // padding: zeros that no parameter uses
             v
@@ -137,7 +144,7 @@ impl FsdpUnit {
         let master = padded(start.weights(&mine)?);
         let blocks = params.len() / PARAMS_PER_BLOCK;
         // nanoGPT's decay rule on my window of the unit's flat vector
-        let window = layout.shard(world.rank()).range();
+        let window = layout.shard(group.rank()).range();
         let no_decay = fsdp_gpt::params::no_decay(table, params.iter().copied().zip(ranges.iter().cloned()), window);
         let (grad, mut opt) =
             (vec![0.0; layout.shard_len], AdamW::new(adamw, layout.shard_len).with_no_decay(no_decay));
@@ -212,7 +219,7 @@ impl FsdpUnit {
     /// to the param dtype and sends that (2 bytes per element under bf16,
     /// half of fp32's). The result is freshly allocated; drop it to free it.
     fn gather(&self, w: &World) -> candle_core::Result<Tensor> {
-        let n = self.layout.padded;
+        let (w, n) = (groups(w, self.policy).0, self.layout.padded); // the world, or my shard group
         match self.policy.param_dtype {
             DType::F32 => {
                 let mut full = vec![0.0f32; n];
@@ -249,7 +256,7 @@ impl FsdpUnit {
     /// The fp32 master weights of the whole unit (for the final weights file).
     pub fn gather_master(&self, w: &World) -> Vec<f32> {
         let mut full = vec![0.0; self.layout.padded];
-        w.all_gather(&self.master, &mut full);
+        groups(w, self.policy).0.all_gather(&self.master, &mut full);
         full
     }
 
@@ -260,6 +267,14 @@ impl FsdpUnit {
     /// stream of its own — and [`FsdpUnit::wait_grad`] takes the shard when
     /// it is needed; `grads` is left empty.
     pub fn reduce_scatter(&mut self, w: &World, grads: &mut MicroBatchSum) {
+        if let (group, Some(replicas)) = groups(w, self.policy) {
+            // HSDP: my shard of my shard group's sum, then that partial sum
+            // added across the groups holding the same shard — the pairwise
+            // tree over the groups (`SumGroups::hsdp_same_bits` says when
+            // that is the plain order's).
+            group.reduce_scatter_sum(grads, &mut self.grad);
+            return all_reduce_shard(replicas, &mut self.grad);
+        }
         if !self.policy.overlap {
             return w.reduce_scatter_sum(grads, &mut self.grad);
         }
@@ -311,6 +326,38 @@ impl FsdpUnit {
     }
 }
 
+// ANCHOR: all_reduce_shard
+/// HSDP's step across the replica groups: `shard` becomes the sum over the
+/// R replicas of their `shard`s, ordered (a reduce-scatter of R parts, then
+/// an all-gather). The all-reduce cuts it into R equal parts, so a shard
+/// whose length R does not divide travels in a zero-padded copy; the
+/// all-reduce's own part (1/R) is transient either way.
+pub fn all_reduce_shard(replicas: &Comm, shard: &mut [f32]) {
+    let r = replicas.size();
+    let padded = shard.len().next_multiple_of(r);
+    let mut part = vec![0.0; padded / r];
+    if padded == shard.len() {
+        return replicas.all_reduce(shard, &mut part);
+    }
+    let mut buf = shard.to_vec();
+    buf.resize(padded, 0.0);
+    replicas.all_reduce(&mut buf, &mut part);
+    shard.copy_from_slice(&buf[..shard.len()]);
+}
+// ANCHOR_END: all_reduce_shard
+
+/// The ranks a unit is sharded over — the world, or under HSDP my shard
+/// group — and, under HSDP, my replica group.
+pub fn groups(w: &World, policy: UnitPolicy) -> (&Comm, Option<&Comm>) {
+    match policy.hsdp {
+        None => (w, None),
+        Some(s) => {
+            let mesh = w.mesh(s); // split on first use: every rank builds its units in one order
+            (&mesh.shard, Some(&mesh.replica))
+        }
+    }
+}
+
 /// Unit `u`'s reduce-scatter is next: the one in flight before it
 /// (`reducing`, the unit it was) is waited for first, so that one is in
 /// flight at a time — what the tally's one "reducing" row counts. Without
@@ -355,6 +402,50 @@ pub fn largest_padded(units: &[FsdpUnit]) -> usize {
     units.iter().map(|u| u.layout().padded).max().unwrap_or(0)
 }
 
+/// The ordered reductions' receive buffers, as `(category, elements,
+/// note)`, kept from the first step on: the reduce-scatter's all-to-all
+/// input for the largest unit and, under HSDP, the replica all-reduce's,
+/// one shard long. What a tally counts and [`reserve_receive_buffers`] allocates.
+pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(&'static str, usize, &'static str)> {
+    let (padded, shard) = (largest_padded(units), units.iter().map(|u| u.layout.shard_len).max().unwrap_or(0));
+    let Some(s_size) = units[0].policy.hsdp else {
+        let len = s.receive_buffer_len(padded);
+        return len
+            .map(|l| ("all-to-all receive buffer", l, "the reduce-scatter's input from every rank, largest unit, kept"))
+            .into_iter()
+            .collect();
+    };
+    let (groups, replicas) = (s.sum_groups.per_rank(), s.world.size() / s_size);
+    let mut v = vec![];
+    if s_size > 1 || groups > 1 {
+        v.push((
+            "all-to-all receive buffer",
+            groups * padded,
+            "the reduce-scatter's input from my shard group, largest unit, kept",
+        ));
+    }
+    if replicas > 1 {
+        let len = shard.next_multiple_of(replicas); // padded to R equal parts
+        v.push(("replica all-reduce receive buffer", len, "my shard from every replica group, largest unit, kept"));
+    }
+    v
+}
+
+/// Allocates the receive buffers now ([`receive_buffers`]), as the tally
+/// counts them: on the communication stream's thread when the reductions go there.
+pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit], on_stream: bool) {
+    let Some(size) = units[0].policy.hsdp else {
+        return s.reserve_receive_buffer(largest_padded(units), on_stream);
+    };
+    let mesh = s.world.mesh(size);
+    for (category, len, _) in receive_buffers(s, units) {
+        match category {
+            "replica all-reduce receive buffer" => mesh.replica.reserve_receive_buffer(len, mesh.replica.size()),
+            _ => mesh.shard.reserve_receive_buffer(len, s.sum_groups.per_rank() * size),
+        }
+    }
+}
+
 /// Every unit of the model on this rank, root first: my shard of each, cut
 /// from `start` (the seed's weights, or a checkpoint's with AdamW's moments).
 pub fn build_units(
@@ -384,8 +475,11 @@ pub fn update_all(units: &mut [FsdpUnit], s: &Session, inv: f32) -> candle_core:
     let f = match s.args.grad_clip {
         None => None, // no norm to pay for
         Some(_) => {
+            // Over the ranks that share the model: under HSDP my shard group
+            // only, since every replica group holds the same shards.
+            let group = groups(s.world, units[0].policy).0;
             let shards: Vec<&[f32]> = units.iter().map(|u| u.grad.as_slice()).collect();
-            s.clip_factor_of(exercise!(3, 2, global_norm(s.world, &shards))) // exercise 3.2
+            s.clip_factor_of(exercise!(3, 2, global_norm(group, &shards))) // exercise 3.2
         }
     };
     for u in units.iter_mut() {

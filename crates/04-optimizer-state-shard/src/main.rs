@@ -13,12 +13,11 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
 use fsdp_harness::session::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise};
-use step03_layerwise_shard::HeadGrad;
 use step03_layerwise_shard::tally::bytes_per_step;
+use step03_layerwise_shard::{HeadGrad, hsdp};
 use step04_optimizer_state_shard::OptimizerStateShard;
 use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally, stage2_tally};
 
@@ -60,6 +59,10 @@ struct Args {
     /// memory, one more forward, the same bits). Stage 3 always recomputes.
     #[arg(long)]
     recompute: bool,
+    /// Hybrid sharding (HSDP, lesson 03's): every stage sharded within
+    /// groups of S consecutive ranks, replicated across the N/S groups.
+    #[arg(long, allow_negative_numbers = true, value_name = "S")]
+    hsdp: Option<usize>,
 }
 
 const STAGES: [&str; 3] = [
@@ -91,6 +94,10 @@ fn main() -> ExitCode {
                 _ => Ok(()),
             },
         )?;
+        if let Some(size) = args.hsdp {
+            let overlap = args.prefetch || args.overlap_comm;
+            fsdp_harness::edge::agree(world, hsdp::refusal(&s, size, overlap).map_or(Ok(()), Err))?;
+        }
         if args.prefetch || args.overlap_comm {
             // FSDP2's streams, DeepSpeed's overlap_comm: a communication thread of its own, on every rank.
             s.start_stream()?;
@@ -107,6 +114,7 @@ fn main() -> ExitCode {
             args.prefetch || args.overlap_comm, // each refused where it does not apply
             args.recompute,
             args.head_grad,
+            args.hsdp,
         )?;
         let head_grad = zero.fsdp.head_grad;
         let mut rows = vec![
@@ -116,6 +124,7 @@ fn main() -> ExitCode {
                 format!("{}: compute copy and grads; fp32 master, gradient sums, AdamW m and v", args.precision),
             ),
             ("gradient reduce dtype", "fp32, summed as a fixed pairwise tree".to_string()),
+            ("sharding", hsdp::describe(world.size(), args.hsdp)),
             (
                 "prefetch",
                 match args.prefetch {
@@ -155,7 +164,7 @@ fn main() -> ExitCode {
             s.end_step(step, &mut run, loss, || zero.fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
         }
         run.finish();
-        let training_traffic = world.traffic();
+        let sent = hsdp::Sent::now(world);
         let full = zero.fsdp.gather_full(&s);
 
         let units = &zero.fsdp.units;
@@ -166,7 +175,7 @@ fn main() -> ExitCode {
             shards: units.iter().map(|u| u.layout().shard_len).sum(),
             largest: largest.layout().numel,
             largest_padded: largest.layout().padded,
-            ranks: world.size(),
+            ranks: largest.layout().world, // N, or S under --hsdp
             compute_bytes: args.precision.bytes(),
             prefetch: zero.fsdp.prefetch,
             sum_groups: s.sum_groups.per_rank(),
@@ -176,8 +185,8 @@ fn main() -> ExitCode {
         // reduce-scatter fp32; stage 3 gathers each unit twice (the root a
         // third time if the head is recomputed), stages 1–2 once (the new
         // weights after the update).
-        let sent = |bytes: usize| -> u64 {
-            units.iter().map(|u| ((world.size() - 1) * u.layout().shard_len * bytes) as u64).sum()
+        let sent_bytes = |bytes: usize| -> u64 {
+            units.iter().map(|u| ((u.layout().world - 1) * u.layout().shard_len * bytes) as u64).sum()
         };
         let gathered = match args.stage {
             // lesson 03's schedule, gathering the compute dtype
@@ -185,7 +194,7 @@ fn main() -> ExitCode {
                 bytes_per_step(&units.iter().map(|u| u.layout()).collect::<Vec<_>>(), head_grad, args.precision.bytes())
                     .0
             }
-            _ => sent(args.precision.bytes()),
+            _ => sent_bytes(args.precision.bytes()),
         };
         let memory = match args.stage {
             1 => stage1_tally(&s, units, args.recompute, zero.overlap_comm),
@@ -193,18 +202,18 @@ fn main() -> ExitCode {
             _ => step03_layerwise_shard::tally::tally(&s, units, zero.fsdp.prefetch, head_grad), // lesson 03's schedule
         };
         let mut report = Report::new(&s, &run, memory);
+        let layouts: Vec<_> = units.iter().map(|u| u.layout()).collect();
+        let scattered = s.sum_groups.per_rank() as u64 * sent_bytes(4);
+        hsdp::report_traffic(&mut report, &s, &layouts, sent, gathered, scattered);
         report
-            .traffic(training_traffic)
             .table(format!(
-                "ZeRO side by side: {} parameters on {} rank(s), {} compute\n{}",
+                "ZeRO side by side: {} parameters on {} rank(s){}, {} compute\n{}",
                 fsdp_harness::table::thousands(shapes.numel as u64),
                 world.size(),
+                args.hsdp.map_or(String::new(), |size| format!(", sharded within groups of {size} (--hsdp)")),
                 args.precision,
                 side_by_side(shapes, 12.0).render()
             ))
-            .expect_traffic(Collective::AllGather, gathered)
-            .expect_traffic(Collective::ReduceScatter, s.sum_groups.per_rank() as u64 * sent(4))
-            .expect_traffic_if(Collective::GradNorm, s.clip_traffic())
             .json("stage", serde_json::json!(args.stage))
             .json("units", step03_layerwise_shard::units::units_json(units))
             .json("head_grad", serde_json::json!((args.stage == 3).then(|| head_grad.name())))

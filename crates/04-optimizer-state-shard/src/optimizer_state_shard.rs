@@ -25,7 +25,9 @@ use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
 use step03_layerwise_shard::tally::lower_peak;
-use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, largest_padded, one_in_flight, update_all};
+use step03_layerwise_shard::units::{
+    FsdpUnit, UnitPolicy, build_units, one_in_flight, reserve_receive_buffers, update_all,
+};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 /// One rank's share of the training state at ZeRO stage `stage`.
@@ -44,6 +46,7 @@ pub struct OptimizerStateShard {
 
 impl OptimizerStateShard {
     // ANCHOR: new
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         s: &Session,
         start: Start,
@@ -52,6 +55,7 @@ impl OptimizerStateShard {
         overlap: bool,
         recompute: bool,
         head_grad: Option<HeadGrad>,
+        hsdp: Option<usize>, // `--hsdp S`: sharded within shard groups of S ranks (lesson 03's)
     ) -> anyhow::Result<Self> {
         // `overlap`: FSDP2's at stage 3 (`--prefetch`), DeepSpeed's `overlap_comm` at 1 and 2.
         let (prefetch, overlap_comm) = (overlap && stage == 3, overlap && stage < 3);
@@ -59,10 +63,10 @@ impl OptimizerStateShard {
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
         // bf16 travels as each element's rounded bits (exercise 4.2).
         let policy =
-            UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype(), bf16_wire, overlap };
+            UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype(), bf16_wire, overlap, hsdp };
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are read: the start's source goes
-        s.reserve_receive_buffer(largest_padded(&units), overlap); // on the stream's thread when it reduces
+        reserve_receive_buffers(s, &units, overlap); // on the stream's thread when it reduces
         // Stage 3 runs lesson 03's schedule: what waits for the tied wte (lesson 03's default).
         let head_grad = match stage {
             3 => head_grad.unwrap_or_else(|| lower_peak(s, &units, prefetch)),

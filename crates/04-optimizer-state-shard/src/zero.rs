@@ -5,7 +5,7 @@ use fsdp_gpt::Unit;
 use fsdp_harness::session::widen_row;
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
-use step03_layerwise_shard::units::{FsdpUnit, largest_padded};
+use step03_layerwise_shard::units::{FsdpUnit, largest_padded, receive_buffers};
 
 /// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
 pub const SCHEMES: [(u8, &str); 4] = [(0, "data parallel"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")];
@@ -122,7 +122,7 @@ pub fn model_states(stage: u8, sh: Shapes) -> MemoryTally {
 /// What ZeRO-1 and ZeRO-2 keep from step to step: the shards, the resident
 /// compute copy, the reduce-scatter's receive buffer, the data.
 fn resident_kept(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
-    let (n, e) = (s.world.size(), units[0].param_bytes());
+    let (n, e) = (units[0].layout().world, units[0].param_bytes()); // N, or S under --hsdp
     let dt = if e == 2 { "bf16" } else { "fp32" };
     let shard: usize = units.iter().map(|u| u.layout().shard_len).sum();
     let padded: usize = units.iter().map(|u| u.layout().padded).sum();
@@ -133,8 +133,8 @@ fn resident_kept(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
         .add("AdamW v shard", shard, 4, &share)
         .add("grad shard (fp32)", shard, 4, &share)
         .add(&format!("compute copy, resident ({dt})"), padded, e, "whole model, all-gathered after each update");
-    if let Some(len) = s.receive_buffer_len(largest_padded(units)) {
-        t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, largest unit, kept");
+    for (category, len, note) in receive_buffers(s, units) {
+        t.add(category, len, 4, note);
     }
     s.data_tally(&mut t);
     t

@@ -87,7 +87,13 @@ pub struct Meta {
     pub lesson: String,
     /// Steps completed; training resumes at `step + 1`.
     pub step: u64,
+    /// The shards the state is cut into: one file each, written by the
+    /// ranks 0 … world_size − 1 — the whole world, or under HSDP the first
+    /// shard group (every replica group holds the same shards).
     pub world_size: usize,
+    /// Under HSDP, the replica groups the run had (its ranks: world_size × replicas); 1 otherwise.
+    #[serde(default = "one")]
+    pub replicas: usize,
     /// `--sum-groups`: how many groups the M micro-batch gradients were summed in.
     pub sum_groups: usize,
     /// Whether that grouping was chosen with `--sum-groups` (a resume keeps
@@ -101,6 +107,10 @@ pub struct Meta {
     pub lesson_flags: Vec<(String, String)>,
     pub units: Vec<UnitMeta>,
     pub files: Vec<FileMeta>,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -646,6 +656,7 @@ mod tests {
             lesson: "unit-test".into(),
             step,
             world_size: world,
+            replicas: 1,
             sum_groups: world,
             sum_groups_given: false,
             model: ModelMeta {

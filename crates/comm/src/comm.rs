@@ -47,6 +47,11 @@ pub struct Comm {
     progress: Option<Arc<Progress>>,
     /// The compute thread's timeline (`--trace`); never recording on a stream.
     pub(crate) trace: RefCell<Trace>,
+    /// The node (machine) each of this communicator's ranks runs on, as an
+    /// index into the world's distinct host names in order of first rank:
+    /// what splits the bytes sent into those that stay on my node and
+    /// those that cross to another ([`TrafficStats::bytes_remote`]).
+    nodes: Vec<usize>,
 }
 
 const F32: usize = std::mem::size_of::<f32>();
@@ -65,7 +70,47 @@ impl Comm {
             sync,
             progress,
             trace: Default::default(),
+            nodes: vec![0; size],
         }
+    }
+
+    /// This communicator with its ranks' nodes learned (every rank calls): each
+    /// rank's `node` (an index into the world's host names) gathered, untimed.
+    pub(crate) fn with_nodes(mut self, node: usize) -> Self {
+        let mut all = vec![0u64; self.size];
+        self.all_gather_untimed(&[node as u64][..], &mut all[..]);
+        self.nodes = all.into_iter().map(|n| n as usize).collect();
+        self
+    }
+
+    /// The node this rank runs on (0 on one machine).
+    pub fn node(&self) -> usize {
+        self.nodes[self.rank]
+    }
+
+    /// The node each rank of this communicator runs on.
+    pub fn nodes(&self) -> &[usize] {
+        &self.nodes
+    }
+
+    /// Of `bytes` sent equally to every other rank (each collective here
+    /// sends each peer the same share, directly), those addressed to ranks
+    /// on other nodes: what crosses between machines.
+    fn remote_share(&self, bytes: usize) -> usize {
+        let remote = self.nodes.iter().filter(|&&n| n != self.node()).count();
+        if self.size > 1 { bytes * remote / (self.size - 1) } else { 0 }
+    }
+
+    /// A new communicator over some of this one's ranks (every rank calls,
+    /// `MPI_Comm_split`): the ranks of one `color` form it, ranked by `key`.
+    /// It keeps this one's rank sum and `FSDP_SYNC_COLLECTIVES`, and counts
+    /// its own [`Traffic`]: the bytes that travel inside the group.
+    pub fn split(&self, color: usize, key: usize) -> Comm {
+        let color = mpi::topology::Color::with_value(color as i32);
+        let comm = self.comm.split_by_color_with_key(color, key as i32).expect("a rank with a colour is in its group");
+        let group = Comm::new(comm, self.sync, None).with_nodes(self.node());
+        group.rank_sum.set(self.rank_sum.get());
+        group
     }
 
     /// Replaces how the ordered reduce-scatter adds what the all-to-all
@@ -99,8 +144,11 @@ impl Comm {
     pub fn reset_traffic(&self) {
         *self.traffic.borrow_mut() = Traffic::default();
     }
+    pub(crate) fn set_traffic(&self, t: Traffic) {
+        *self.traffic.borrow_mut() = t;
+    }
     pub(crate) fn record(&self, kind: Collective, sent: usize, received: usize, times: Times) {
-        self.traffic.borrow_mut().record(kind, sent, received, times);
+        self.traffic.borrow_mut().record(kind, sent, self.remote_share(sent), received, times);
     }
 
     /// Runs `f` without counting its collectives in [`Traffic`] (nor tracing

@@ -50,4 +50,4 @@ pub use reduce::{Adding, MicroBatchSum, SumGroups, nan_max, sum_pairwise};
 pub use stream::{Pending, Policy, Stream, Wire};
 pub use trace::{Lane, Span, Trace};
 pub use traffic::{Collective, Times, Traffic, TrafficStats};
-pub use world::{CommError, World, abort_job};
+pub use world::{CommError, Mesh, World, abort_job};

@@ -107,6 +107,40 @@ impl SumGroups {
         self.tree() == other.tree()
     }
 
+    // ANCHOR: hsdp_order
+    /// Every sum HSDP forms with shard groups of `shard` consecutive ranks:
+    /// each group's reduce-scatter adds its ranks' group sums (`shard` ×
+    /// G/N of them, consecutive in global order) as one pairwise tree, then
+    /// the all-reduce across the N/`shard` replicas adds those partial sums
+    /// as a pairwise tree in group order. The same bits as the plain order
+    /// exactly when the two sets of sums are equal ([`SumGroups::hsdp_same_bits`]).
+    fn hsdp_tree(&self, shard: usize) -> HashSet<Range<usize>> {
+        let (q, per_group) = (self.group_len(), shard * self.per_rank());
+        let mut nodes = HashSet::new();
+        let mut add = |r: Range<usize>, scale: usize| {
+            nodes.insert(r.start * scale..r.end * scale);
+        };
+        tree_nodes(0..self.world / shard, &mut |r| add(r, per_group * q)); // across the replicas
+        for g in 0..self.world / shard {
+            tree_nodes(g * per_group..(g + 1) * per_group, &mut |r| add(r, q)); // inside shard group g
+        }
+        for g in 0..self.groups {
+            tree_nodes(g * q..(g + 1) * q, &mut |r| add(r, 1)); // inside every group of micro-batches
+        }
+        nodes
+    }
+
+    /// Whether HSDP with shard groups of `shard` ranks adds the micro-batch
+    /// gradients exactly as one process does (then its weights are lesson
+    /// 01's, bit for bit). True exactly when the number of replicas
+    /// N/`shard` is a power of two — every split of the top of the tree
+    /// then falls between shard groups — or when `shard` · G/N is 1 (each
+    /// replica's partial sum is one group sum).
+    pub fn hsdp_same_bits(&self, shard: usize) -> bool {
+        shard > 0 && self.world.is_multiple_of(shard) && self.hsdp_tree(shard) == self.tree()
+    }
+    // ANCHOR_END: hsdp_order
+
     /// The most buffers a [`MicroBatchSum`] holds at once: the group sums
     /// finished so far plus the partial sums on its stack.
     pub fn buffers(&self) -> usize {
@@ -413,6 +447,24 @@ mod tests {
         assert!(!SumGroups::new(3, 24, 3).unwrap().same_order(&SumGroups::new(1, 24, 1).unwrap()));
         let per_world: Vec<u32> = [1, 3, 6, 12].iter().map(|&n| as_ranks_would(&v, n, n).to_bits()).collect();
         assert!(per_world.iter().any(|&b| b != per_world[0]), "these values do tell orders apart: {per_world:?}");
+    }
+
+    #[test]
+    fn hsdp_keeps_the_bits_when_the_replicas_are_a_power_of_two() {
+        let plan = |g, m, n| SumGroups::new(g, m, n).unwrap();
+        // 4 ranks in 2 groups of 2, 8 ranks in groups of 2 or 4: 2 or 4 replicas.
+        assert!(plan(4, 8, 4).hsdp_same_bits(2));
+        assert!(plan(8, 16, 8).hsdp_same_bits(2) && plan(8, 16, 8).hsdp_same_bits(4));
+        // Several sums per rank (--sum-groups) change nothing about that.
+        assert!(plan(8, 16, 4).hsdp_same_bits(2));
+        // 3 replicas split the top of the tree inside a shard group: 6 ranks, S = 2.
+        assert!(!plan(6, 12, 6).hsdp_same_bits(2));
+        // … but 2 replicas of 3 keep it (the first split is between the groups).
+        assert!(plan(6, 12, 6).hsdp_same_bits(3));
+        // S = N (one group: plain FSDP) and S = 1 (plain replication) always do.
+        assert!(plan(6, 12, 6).hsdp_same_bits(6) && plan(6, 12, 6).hsdp_same_bits(1));
+        // S must divide N.
+        assert!(!plan(6, 12, 6).hsdp_same_bits(4) && !plan(6, 12, 6).hsdp_same_bits(0));
     }
 
     #[test]

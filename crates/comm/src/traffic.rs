@@ -37,6 +37,9 @@ impl Collective {
 pub struct TrafficStats {
     pub calls: u64,
     pub bytes_sent: u64,
+    /// Of `bytes_sent`, those addressed to ranks on other nodes (machines):
+    /// what crosses the network between them, payload only.
+    pub bytes_remote: u64,
     pub bytes_received: u64,
     /// Inside the collective (waiting for other ranks included, unless they
     /// were synchronised first: [`crate::World`] under `FSDP_SYNC_COLLECTIVES=1`).
@@ -66,15 +69,32 @@ impl Traffic {
     }
 
     /// One call of `kind`: bytes, and its times (see [`TrafficStats`]).
-    pub fn record(&mut self, kind: Collective, sent: usize, received: usize, times: Times) {
+    pub fn record(&mut self, kind: Collective, sent: usize, remote: usize, received: usize, times: Times) {
         let s = &mut self.stats[kind as usize];
         s.calls += 1;
         s.bytes_sent += sent as u64;
+        s.bytes_remote += remote as u64;
         s.bytes_received += received as u64;
         s.seconds += times.seconds;
         s.waited += times.waited;
         s.exposed += times.exposed;
         s.cpu += times.cpu;
+    }
+
+    /// Both counts added, kind by kind: what a rank sent over several communicators.
+    pub fn plus(&self, other: &Traffic) -> Traffic {
+        let mut t = self.clone();
+        for (a, b) in t.stats.iter_mut().zip(&other.stats) {
+            a.calls += b.calls;
+            a.bytes_sent += b.bytes_sent;
+            a.bytes_remote += b.bytes_remote;
+            a.bytes_received += b.bytes_received;
+            a.seconds += b.seconds;
+            a.waited += b.waited;
+            a.exposed += b.exposed;
+            a.cpu += b.cpu;
+        }
+        t
     }
 
     /// Seconds spent in all collectives (on whichever thread ran them).

@@ -33,6 +33,8 @@ pub struct World {
     /// The communication stream, once a lesson starts it ([`World::start_stream`]).
     stream: OnceCell<Stream>,
     threading: Threading,
+    /// HSDP's groups, once a lesson splits the world ([`World::mesh`]).
+    mesh: OnceCell<Mesh>,
     // Dropped last: MPI_Finalize runs after the stream's thread has ended
     // and every communicator is freed (fields drop in declaration order).
     _universe: mpi::environment::Universe,
@@ -59,7 +61,57 @@ impl World {
         let mut all = vec![0u8; world.size() as usize];
         world.all_gather_into(&[mine][..], &mut all[..]); // the first collective, untimed
         let sync = all.contains(&1);
-        Ok(Self { comm: Comm::new(world, sync, None), stream: OnceCell::new(), threading, _universe: universe })
+        let comm = Comm::new(world, sync, None);
+        // Which machine each rank runs on, by host name, numbered in order of first rank.
+        let name = mpi::environment::processor_name().unwrap_or_default();
+        let names = comm.gather_varying(name.as_bytes());
+        let mut distinct: Vec<&[u8]> = vec![];
+        for n in &names {
+            if !distinct.contains(&n.as_slice()) {
+                distinct.push(n);
+            }
+        }
+        let node = distinct.iter().position(|d| *d == names[comm.rank()].as_slice()).expect("my own name");
+        Ok(Self {
+            comm: comm.with_nodes(node),
+            stream: OnceCell::new(),
+            threading,
+            mesh: OnceCell::new(),
+            _universe: universe,
+        })
+    }
+
+    /// HSDP's mesh with shard groups of `shard` consecutive ranks (every
+    /// rank together, on the first call; `shard` must divide N).
+    pub fn mesh(&self, shard: usize) -> &Mesh {
+        let mesh = self.mesh.get_or_init(|| Mesh::split(&self.comm, shard));
+        assert_eq!(mesh.shard.size(), shard, "one mesh per run");
+        mesh
+    }
+
+    /// [`Comm::untracked`] over the world and, once split, the mesh's groups:
+    /// a check beside training counts in none of them.
+    pub fn untracked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let Some(mesh) = self.mesh.get() else { return self.comm.untracked(f) };
+        let saved = (mesh.shard.traffic(), mesh.replica.traffic());
+        let r = self.comm.untracked(f);
+        mesh.shard.set_traffic(saved.0);
+        mesh.replica.set_traffic(saved.1);
+        r
+    }
+
+    /// [`Comm::reset_traffic`] of the world and, once split, the mesh's groups.
+    pub fn reset_traffic(&self) {
+        self.comm.reset_traffic();
+        if let Some(mesh) = self.mesh.get() {
+            mesh.shard.reset_traffic();
+            mesh.replica.reset_traffic();
+        }
+    }
+
+    /// The mesh, if split.
+    pub fn mesh_if_split(&self) -> Option<&Mesh> {
+        self.mesh.get()
     }
 
     /// Starts the communication stream (every rank together: its thread
@@ -164,6 +216,30 @@ impl World {
         r
     }
 }
+
+// ANCHOR: mesh
+/// HSDP's two-dimensional mesh (FSDP2's `DeviceMesh` of shape
+/// (replicate, shard), torchtitan's `dp_replicate` × `dp_shard`): N ranks in
+/// N/S **shard groups** of S consecutive ranks (one node's, when a node runs
+/// S ranks), which shard the model among themselves, and S **replica
+/// groups**, one per shard index across the shard groups, which hold the
+/// same shard and sum its gradient. The world's rank r is rank r mod S of
+/// shard group r / S, and rank r / S of replica group r mod S.
+pub struct Mesh {
+    /// My shard group: all-gathers and reduce-scatters stay inside it.
+    pub shard: Comm,
+    /// My replica group: the ranks holding my shard in the other shard groups.
+    pub replica: Comm,
+}
+
+impl Mesh {
+    fn split(world: &Comm, shard: usize) -> Self {
+        assert!(shard > 0 && world.size().is_multiple_of(shard), "S = {shard} must divide N = {}", world.size());
+        let r = world.rank();
+        Self { shard: world.split(r / shard, r), replica: world.split(r % shard, r) }
+    }
+}
+// ANCHOR_END: mesh
 
 /// One sum as it is; several packed per destination (see [`Comm`]'s grouped reductions).
 fn packed(mut sums: Vec<Vec<f32>>, size: usize, shard: usize) -> (Vec<f32>, usize) {

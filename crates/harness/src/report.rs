@@ -167,6 +167,14 @@ impl MemoryTally {
     }
 }
 
+/// One communicator's traffic (a name like "shard group (2 ranks)") and
+/// the bytes per step its theory gives, by kind.
+struct GroupTraffic {
+    name: String,
+    traffic: fsdp_comm::Traffic,
+    theory: Vec<(Collective, u64)>,
+}
+
 /// Collects what a lesson wants reported, then prints and writes it all.
 pub struct Report<'a, 'w> {
     session: &'a Session<'w>,
@@ -177,6 +185,8 @@ pub struct Report<'a, 'w> {
     json: serde_json::Map<String, Value>,
     charts: Vec<(String, Vec<Chart>)>,
     traffic: Option<fsdp_comm::Traffic>,
+    /// Under HSDP: the traffic of each communicator, with its theory.
+    groups: Vec<GroupTraffic>,
 }
 
 impl<'a, 'w> Report<'a, 'w> {
@@ -194,6 +204,7 @@ impl<'a, 'w> Report<'a, 'w> {
             json: Default::default(),
             charts: vec![],
             traffic: None,
+            groups: vec![],
         }
     }
 
@@ -216,6 +227,19 @@ impl<'a, 'w> Report<'a, 'w> {
     /// before a final gather that is not part of training.
     pub fn traffic(&mut self, traffic: fsdp_comm::Traffic) -> &mut Self {
         self.traffic = Some(traffic);
+        self
+    }
+
+    /// One communicator's share of the traffic (HSDP's shard and replica
+    /// groups), with the bytes per step its theory gives by kind: printed
+    /// as a table of its own after the totals, and kept in report.json.
+    pub fn group_traffic(
+        &mut self,
+        name: String,
+        traffic: fsdp_comm::Traffic,
+        theory: Vec<(Collective, u64)>,
+    ) -> &mut Self {
+        self.groups.push(GroupTraffic { name, traffic, theory });
         self
     }
 
@@ -256,6 +280,10 @@ impl<'a, 'w> Report<'a, 'w> {
         let kept = w.gather_control(&[r.final_live as u64]);
         let rss = w.gather_control(&[crate::alloc::peak_rss_bytes().unwrap_or(0) as u64]);
         let traffic = self.traffic.clone().unwrap_or_else(|| w.traffic());
+        // Across machines: every rank's bytes to ranks on other nodes, and its node.
+        let remote: u64 = traffic.stats.iter().map(|t| t.bytes_remote).sum();
+        let remote_by_rank = w.gather_control(&[remote]);
+        let nodes = w.nodes().iter().copied().max().map_or(1, |m| m + 1);
         let traces = s.args.trace.as_ref().and_then(|_| crate::trace::gather(w));
         if !w.is_root() {
             return Ok(());
@@ -293,7 +321,12 @@ impl<'a, 'w> Report<'a, 'w> {
         println!("{}", m.render());
 
         let steps = self.run.losses.len().max(1) as u64; // trained in this run (fewer after --resume)
-        let mut tt = Table::new(["collective (per step, per rank)", "calls", "bytes sent", "theory"]);
+        let across = nodes > 1; // a column for the bytes between machines
+        let mut head = vec!["collective (per step, per rank)", "calls", "bytes sent", "theory"];
+        if across {
+            head.push("to other nodes");
+        }
+        let mut tt = Table::new(head);
         let mut secs = vec![];
         for kind in Collective::ALL {
             let st = traffic.get(kind);
@@ -302,12 +335,16 @@ impl<'a, 'w> Report<'a, 'w> {
             }
             let theory =
                 self.expected.iter().find(|(k, _)| *k == kind).map_or("—".to_string(), |(_, b)| thousands(*b));
-            tt.row([
+            let mut row = vec![
                 kind.name().to_string(),
                 format!("{:.1}", st.calls as f64 / steps as f64),
                 thousands(st.bytes_sent / steps),
                 theory,
-            ]);
+            ];
+            if across {
+                row.push(thousands(st.bytes_remote / steps));
+            }
+            tt.row(row);
             secs.push(format!("{} {:.2} ms", kind.name(), st.seconds / steps as f64 * 1e3));
         }
         if !secs.is_empty() {
@@ -315,6 +352,35 @@ impl<'a, 'w> Report<'a, 'w> {
             println!("measured time in collectives per step: {}", secs.join(", "));
             let ms = |x: f64| x / steps as f64 * 1e3;
             let (all, exposed) = (traffic.seconds(), traffic.exposed());
+            if !self.groups.is_empty() {
+                let mut head = vec!["communicator", "collective", "calls", "bytes sent", "theory"];
+                if across {
+                    head.push("to other nodes");
+                }
+                let mut g = Table::new(head);
+                for GroupTraffic { name, traffic: t, theory } in &self.groups {
+                    for kind in Collective::ALL {
+                        let st = t.get(kind);
+                        if st.calls == 0 || kind == Collective::Control {
+                            continue;
+                        }
+                        let th =
+                            theory.iter().find(|(k, _)| *k == kind).map_or("—".to_string(), |(_, b)| thousands(*b));
+                        let mut row = vec![
+                            name.clone(),
+                            kind.name().to_string(),
+                            format!("{:.1}", st.calls as f64 / steps as f64),
+                            thousands(st.bytes_sent / steps),
+                            th,
+                        ];
+                        if across {
+                            row.push(thousands(st.bytes_remote / steps));
+                        }
+                        g.row(row);
+                    }
+                }
+                println!("by communicator, per step, rank 0 (every rank sends the same):\n{}", g.render());
+            }
             if w.stream().is_some() {
                 println!(
                     "measured on the communication stream, per step: {:.2} ms in collectives, {:.2} ms of it exposed (the compute thread waited), {:.0}% hidden; the stream's thread used {:.2} ms of CPU and made {} allocations in training",
@@ -368,14 +434,34 @@ impl<'a, 'w> Report<'a, 'w> {
             "tally_expected_peak_bytes": self.tally.expected_peak_bytes(),
             "measured_baseline_bytes": base,
             "measured_peak_bytes": peak,
+            "node_of_rank": w.nodes(),
+            "bytes_remote_by_rank": remote_by_rank,
             "measured_setup_peak_bytes": setup,
             "measured_final_live_bytes": kept,
             "peak_rss_bytes": rss,
             "traffic": Collective::ALL.iter().map(|k| {
                 let st = traffic.get(*k);
-                (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "seconds": st.seconds, "waited_seconds": st.waited, "exposed_seconds": st.exposed, "stream_cpu_seconds": st.cpu}))
+                (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_remote": st.bytes_remote, "bytes_received": st.bytes_received, "seconds": st.seconds, "waited_seconds": st.waited, "exposed_seconds": st.exposed, "stream_cpu_seconds": st.cpu}))
             }).collect::<serde_json::Map<_, _>>(),
         });
+        if !self.groups.is_empty() {
+            let by_group: serde_json::Map<_, _> = self
+                .groups
+                .iter()
+                .map(|GroupTraffic { name, traffic: t, theory }| {
+                    let kinds: serde_json::Map<_, _> = Collective::ALL
+                        .iter()
+                        .map(|k| {
+                            let st = t.get(*k);
+                            let th = theory.iter().find(|(x, _)| x == k).map(|(_, b)| *b);
+                            (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_remote": st.bytes_remote, "theory_bytes_per_step": th}))
+                        })
+                        .collect();
+                    (name.clone(), Value::Object(kinds))
+                })
+                .collect();
+            j["traffic_by_group"] = Value::Object(by_group);
+        }
         if let Value::Object(o) = &mut j {
             o.extend(self.json);
         }

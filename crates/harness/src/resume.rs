@@ -145,14 +145,15 @@ pub fn resume_notes(meta: &Meta, now: SumGroups) -> Vec<String> {
             meta.step + 1
         )];
     }
-    let then = SumGroups { groups: meta.sum_groups, micro_batches: m_then, world: meta.world_size };
+    let ranks = meta.world_size * meta.replicas; // the run's ranks (under HSDP, more than its shards)
+    let then = SumGroups { groups: meta.sum_groups, micro_batches: m_then, world: ranks };
     if then.same_order(&now) {
         return vec![];
     }
     vec![format!(
         "the gradients are summed in another order than the checkpoint's run ({} rank{} then, {} now): training continues, but differs from an uninterrupted run by rounding (for the same bits, resume on a power-of-two world size dividing {m_now}, or save with --sum-groups G and resume on a divisor of G)",
-        meta.world_size,
-        if meta.world_size == 1 { "" } else { "s" },
+        ranks,
+        if ranks == 1 { "" } else { "s" },
         now.world
     )]
 }

@@ -68,13 +68,21 @@ impl Session<'_> {
         t0: Instant,
     ) -> anyhow::Result<()> {
         let w = self.world;
-        // 2. every rank writes and fsyncs its own shard
-        let name = checkpoint::shard_file_name(w.rank(), w.size());
-        let written = checkpoint::shard_bytes(pieces, w.rank(), w.size(), step).and_then(|bytes| {
-            checkpoint::write_synced(&partial.join(&name), &bytes)
-                .with_context(|| format!("cannot write checkpoint shard {}", partial.join(&name).display()))?;
-            Ok((bytes.len() as u64, checkpoint::sha256_hex(&bytes)))
-        });
+        // 2. every rank writes and fsyncs its own shard — under HSDP only the
+        // first shard group, ranks 0 … S − 1: the other groups hold the same shards
+        let (writes, shard, shards) = match w.mesh_if_split() {
+            Some(m) => (m.replica.rank() == 0, m.shard.rank(), m.shard.size()),
+            None => (true, w.rank(), w.size()),
+        };
+        let name = checkpoint::shard_file_name(shard, shards);
+        let written = match writes {
+            false => Ok((0, "0".repeat(64))), // nothing written, nothing to check
+            true => checkpoint::shard_bytes(pieces, shard, shards, step).and_then(|bytes| {
+                checkpoint::write_synced(&partial.join(&name), &bytes)
+                    .with_context(|| format!("cannot write checkpoint shard {}", partial.join(&name).display()))?;
+                Ok((bytes.len() as u64, checkpoint::sha256_hex(&bytes)))
+            }),
+        };
         failpoint_kill_during_save(w, step);
 
         // 3. rank 0 learns every shard's size and checksum
@@ -93,10 +101,11 @@ impl Session<'_> {
             true => {
                 let files = all
                     .chunks_exact(41)
+                    .take(shards) // the writers: ranks 0 … S − 1
                     .enumerate()
                     .map(|(r, c)| FileMeta {
                         rank: r,
-                        path: checkpoint::shard_file_name(r, w.size()),
+                        path: checkpoint::shard_file_name(r, shards),
                         bytes: u64::from_le_bytes(c[1..9].try_into().expect("8 bytes")),
                         sha256: c[9..41].iter().map(|b| format!("{b:02x}")).collect(),
                     })
@@ -106,7 +115,8 @@ impl Session<'_> {
                     format: checkpoint::FORMAT.to_string(),
                     lesson: self.lesson.package.to_string(),
                     step,
-                    world_size: w.size(),
+                    world_size: shards,
+                    replicas: w.size() / shards,
                     sum_groups: self.sum_groups.groups,
                     sum_groups_given: self.sum_groups_given,
                     model: self.this_run.model.clone(),
@@ -132,8 +142,8 @@ impl Session<'_> {
             println!(
                 "checkpoint: step {step} → {} ({} shard file{}, {} in all, {:.2} s)",
                 dir.display(),
-                w.size(),
-                if w.size() == 1 { "" } else { "s" },
+                shards,
+                if shards == 1 { "" } else { "s" },
                 mb(*total),
                 t0.elapsed().as_secs_f64()
             );

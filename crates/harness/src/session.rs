@@ -222,7 +222,7 @@ impl<'w> Session<'w> {
         let (start, resumed_from, resume_notes, first_step) = match loaded {
             Some((meta, r)) => {
                 let notes = crate::resume::resume_notes(&meta, sum_groups);
-                let from = (r.dir.clone(), meta.step, meta.world_size);
+                let from = (r.dir.clone(), meta.step, meta.world_size * meta.replicas); // the ranks that trained it
                 (Start { source: Source::Checkpoint(Box::new(r), meta.adamw.t) }, Some(from), notes, meta.step + 1)
             }
             None => (Start { source: Source::Seed { table: table.clone(), seed: args.seed } }, None, vec![], 1),
@@ -272,7 +272,13 @@ impl<'w> Session<'w> {
     /// Bytes one rank sends per step for `--grad-clip` when the gradient is
     /// sharded: its exact sum to N − 1 ranks (`None` without the flag).
     pub fn clip_traffic(&self) -> Option<u64> {
-        self.args.grad_clip.map(|_| ((self.world.size() - 1) * ExactSquares::WORDS * 8) as u64)
+        self.clip_traffic_over(self.world.size())
+    }
+
+    /// The same, when the gradient is sharded over `ranks` ranks (a shard
+    /// group of that size under HSDP: the replicas hold the same shards).
+    pub fn clip_traffic_over(&self, ranks: usize) -> Option<u64> {
+        self.args.grad_clip.map(|_| ((ranks - 1) * ExactSquares::WORDS * 8) as u64)
     }
 
     /// `--grad-clip` for a rank that holds the whole mean gradient (lessons

@@ -38,7 +38,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         meta.lesson,
         state.step,
         meta.files.len(),
-        meta.world_size,
+        meta.world_size * meta.replicas,
         args.out.display(),
         m.params,
         fsdp_gpt::params::digest_f32(&state.master)

@@ -1,0 +1,110 @@
+//! Hybrid sharding (HSDP): the units of [`crate::units`] sharded within
+//! shard groups of S consecutive ranks and replicated across the N/S groups
+//! — FSDP2's 2-D `DeviceMesh` with `(Replicate(), Shard(0))`, torchtitan's
+//! `dp_replicate` × `dp_shard`. One node's ranks make a shard group, so the
+//! all-gathers and reduce-scatters stay inside the node, and only each
+//! gradient shard's all-reduce crosses between nodes.
+//!
+//! Nothing here moves a byte: [`crate::units::FsdpUnit`] reduce-scatters in
+//! its shard group and all-reduces across its replica group
+//! ([`fsdp_comm::Mesh`]) when [`crate::units::UnitPolicy::hsdp`] is set.
+//! This file checks the flag, names the layout and reports what each group
+//! sent beside its theory.
+use anyhow::anyhow;
+use fsdp_comm::{Collective, ShardLayout, Traffic, World};
+use fsdp_harness::{Report, Session};
+
+/// `--hsdp S`: why these S cannot run, in one line (None: they can).
+pub fn refusal(s: &Session, size: usize, prefetch: bool) -> Option<anyhow::Error> {
+    let n = s.world.size();
+    let list = |keep: &dyn Fn(usize) -> bool| (1..=n).filter(|&d| keep(d)).map(|d| d.to_string()).collect::<Vec<_>>();
+    Some(if size == 0 || !n.is_multiple_of(size) {
+        anyhow!(
+            "--hsdp {size} does not cut {n} rank(s) into shard groups of equal size: pass one of {}",
+            list(&|d| n.is_multiple_of(d)).join(", ")
+        )
+    } else if !s.sum_groups.hsdp_same_bits(size) {
+        anyhow!(
+            "--hsdp {size} on {n} ranks makes {} replica groups, whose sum is not lesson 01's pairwise tree (the number of replica groups must be a power of two): pass one of {}",
+            n / size,
+            list(&|d| s.sum_groups.hsdp_same_bits(d)).join(", ")
+        )
+    } else if prefetch {
+        anyhow!(
+            "--hsdp runs without overlap: the communication stream works over the whole world, not over shard groups; leave out --hsdp or the overlap flag"
+        )
+    } else if s.args.trace.is_some() {
+        anyhow!("--hsdp is not traced yet (the trace records the world's collectives): leave out --trace, or --hsdp")
+    } else {
+        return None;
+    })
+}
+
+/// The config table's "sharding" row.
+pub fn describe(n: usize, hsdp: Option<usize>) -> String {
+    match hsdp {
+        None => format!("full shard: every unit over all {n} rank(s)"),
+        Some(size) => format!(
+            "HSDP: {} shard group(s) of {size} consecutive rank(s), each unit sharded inside one; {size} replica group(s) of {}, each shard's gradient all-reduced across one",
+            n / size,
+            n / size
+        ),
+    }
+}
+
+/// What training sent: the world's communicator and, under HSDP, the
+/// shard and replica groups' — taken when training ends, before a final
+/// gather that is not part of it.
+pub struct Sent {
+    world: Traffic,
+    mesh: Option<(Traffic, Traffic)>,
+}
+
+impl Sent {
+    pub fn now(w: &World) -> Self {
+        Self { world: w.traffic(), mesh: w.mesh_if_split().map(|m| (m.shard.traffic(), m.replica.traffic())) }
+    }
+}
+
+// ANCHOR: hsdp_traffic
+/// Bytes one rank sends per step across its replica group: every unit's
+/// gradient shard all-reduced once among the R replicas (an ordered
+/// all-reduce: a reduce-scatter and an all-gather of 1/R of the shard —
+/// padded to a multiple of R — each, so 2 (R − 1)/R of the shard's fp32 bytes).
+pub fn all_reduce_bytes(units: &[ShardLayout], replicas: usize) -> u64 {
+    units.iter().map(|l| (2 * (replicas - 1) * l.shard_len.div_ceil(replicas) * 4) as u64).sum()
+}
+// ANCHOR_END: hsdp_traffic
+
+/// The traffic into `report`, with its theory: `gather` and `scatter` bytes
+/// per step (computed from the units' layouts, which under HSDP span a
+/// shard group), the replica all-reduce under HSDP, `--grad-clip`'s norm
+/// over the ranks that share the model. Under HSDP a second table splits
+/// the bytes by communicator.
+pub fn report_traffic(report: &mut Report, s: &Session, units: &[ShardLayout], sent: Sent, gather: u64, scatter: u64) {
+    let (n, size) = (s.world.size(), units[0].world);
+    let all_reduce = sent.mesh.is_some().then(|| all_reduce_bytes(units, n / size));
+    let clip = s.clip_traffic_over(size);
+    let Some((shard, replica)) = sent.mesh else {
+        report.traffic(sent.world);
+        report
+            .expect_traffic(Collective::AllGather, gather)
+            .expect_traffic(Collective::ReduceScatter, scatter)
+            .expect_traffic_if(Collective::GradNorm, clip);
+        return;
+    };
+    let mut in_group = vec![(Collective::AllGather, gather), (Collective::ReduceScatter, scatter)];
+    in_group.extend(clip.map(|b| (Collective::GradNorm, b)));
+    report
+        .traffic(sent.world.plus(&shard).plus(&replica))
+        .group_traffic(format!("shard group ({size} ranks)"), shard, in_group)
+        .group_traffic(
+            format!("replica group ({} ranks)", n / size),
+            replica,
+            all_reduce.map(|b| (Collective::AllReduce, b)).into_iter().collect(),
+        )
+        .expect_traffic(Collective::AllGather, gather)
+        .expect_traffic(Collective::ReduceScatter, scatter)
+        .expect_traffic_if(Collective::AllReduce, all_reduce)
+        .expect_traffic_if(Collective::GradNorm, clip);
+}
