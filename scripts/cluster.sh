@@ -177,6 +177,15 @@ export OMPI_MCA_btl=self,vader,tcp
 export OMPI_MCA_btl_tcp_if_include=eth0
 export OMPI_MCA_oob_tcp_if_include=eth0
 export OMPI_MCA_rmaps_base_oversubscribe=1
+# A link that goes down sends nothing, not even a reset: mpirun's connection to
+# a far node's daemon then waits for TCP's keepalive probes, which Open MPI
+# starts after 300 s of silence, 20 s apart, 9 of them (8 minutes). The
+# lessons' heartbeat names the lost node after FSDP_HEARTBEAT_TIMEOUT (5 s)
+# and aborts; these let mpirun give up on the unreachable daemon 2 + 3 × 1 s
+# after the link went quiet, so that the job ends (a real cluster wants the same).
+export OMPI_MCA_oob_tcp_keepalive_time=${OMPI_MCA_oob_tcp_keepalive_time:-2}
+export OMPI_MCA_oob_tcp_keepalive_intvl=${OMPI_MCA_oob_tcp_keepalive_intvl:-1}
+export OMPI_MCA_oob_tcp_keepalive_probes=${OMPI_MCA_oob_tcp_keepalive_probes:-3}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 status=0
 ip netns exec "$(ns node1)" unshare --uts taskset -c "$(cores_of 1)" sh -c 'hostname node1 && exec "$@"' sh "$@" || status=$?

@@ -9,6 +9,7 @@ mod bad_input;
 mod book;
 mod checkpoint;
 mod clip;
+mod cluster;
 mod exercises;
 mod hsdp;
 mod lesson01;

@@ -445,6 +445,7 @@ impl Comm {
     /// Ends every rank of the job at once with `code` (`MPI_Abort`): for a
     /// failure on one rank while the others may be waiting in a collective.
     pub fn abort(&self, code: i32) -> ! {
+        crate::heartbeat::farewell(); // this rank's end is reported: no loss for the heartbeat
         self.comm.abort(code)
     }
 }

@@ -21,7 +21,11 @@
 //!   global gradient norm for `--grad-clip`, the same bits at every world size.
 //! - [`ShardLayout`]: who owns which slice of a flat vector, as pure arithmetic.
 //! - [`Traffic`]: calls, bytes and times per collective kind: wall time,
-//!   the part the compute thread waited for (exposed), the stream's CPU time.
+//!   the part the compute thread waited for (exposed), the stream's CPU time;
+//!   across machines, the bytes addressed to other nodes.
+//! - [`Mesh`]: HSDP's shard and replica groups (`MPI_Comm_split`).
+//! - [`heartbeat`]: across machines, a dead node or link ends the job in
+//!   bounded time, with one line naming the node.
 //!
 //! ```
 //! use fsdp_comm::ShardLayout;
@@ -34,6 +38,7 @@
 
 pub mod comm;
 pub mod exact;
+pub mod heartbeat;
 pub mod layout;
 pub mod reduce;
 pub mod stream;

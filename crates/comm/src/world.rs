@@ -10,6 +10,7 @@ use mpi::traits::*;
 use thiserror::Error;
 
 use crate::comm::{Comm, pack_groups};
+use crate::heartbeat;
 use crate::reduce::MicroBatchSum;
 use crate::stream::{Pending, Policy, Stream, Wire};
 use crate::trace::{Lane, Trace};
@@ -38,6 +39,12 @@ pub struct World {
     // Dropped last: MPI_Finalize runs after the stream's thread has ended
     // and every communicator is freed (fields drop in declaration order).
     _universe: mpi::environment::Universe,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        heartbeat::farewell(); // the job's normal end (or an error every rank agreed on)
+    }
 }
 
 impl Deref for World {
@@ -72,13 +79,16 @@ impl World {
             }
         }
         let node = distinct.iter().position(|d| *d == names[comm.rank()].as_slice()).expect("my own name");
-        Ok(Self {
-            comm: comm.with_nodes(node),
-            stream: OnceCell::new(),
-            threading,
-            mesh: OnceCell::new(),
-            _universe: universe,
-        })
+        let comm = comm.with_nodes(node);
+        if distinct.len() > 1 {
+            // Across machines: a heartbeat to rank 0 (an invalid FSDP_HEARTBEAT_TIMEOUT
+            // is reported by the lesson's check of its knobs, right after).
+            let names: Vec<String> = names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect();
+            if let Some(timeout) = heartbeat::timeout_from_env().unwrap_or(Some(heartbeat::DEFAULT_TIMEOUT)) {
+                heartbeat::start(&comm, &names, timeout).map_err(CommError::BadKnob)?;
+            }
+        }
+        Ok(Self { comm, stream: OnceCell::new(), threading, mesh: OnceCell::new(), _universe: universe })
     }
 
     /// HSDP's mesh with shard groups of `shard` consecutive ranks (every
@@ -252,6 +262,7 @@ fn packed(mut sums: Vec<Vec<f32>>, size: usize, shard: usize) -> (Vec<f32>, usiz
 /// Ends every rank of the job (`MPI_Abort` on the world) from a place that
 /// has no [`World`] at hand, such as a panic hook. MPI must be initialised.
 pub fn abort_job(code: i32) -> ! {
+    heartbeat::farewell(); // this rank's end is reported: no loss for the heartbeat
     // SAFETY: called only after `World::init`; MPI_Abort does not return.
     unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code) };
     std::process::exit(code)

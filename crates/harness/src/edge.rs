@@ -99,7 +99,9 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
     // environment (mpirun passes a variable to another machine's ranks only with
     // -x), so the ranks agree: if any has one set wrong, all stop here, and the
     // first such rank alone says why.
-    let knobs = fsdp_gpt::kernels::check_matmul_env().and_then(|()| fsdp_comm::stream::Policy::check_env());
+    let knobs = fsdp_gpt::kernels::check_matmul_env()
+        .and_then(|()| fsdp_comm::stream::Policy::check_env())
+        .and_then(|()| fsdp_comm::heartbeat::timeout_from_env().map(|_| ()));
     let bad = world.gather_control(&[u8::from(knobs.is_err())]);
     if let Some(first) = bad.iter().position(|&b| b == 1) {
         if let (true, Err(line)) = (world.rank() == first, &knobs) {
@@ -121,6 +123,7 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
     let _release = ReleaseLock;
     RANK.store(world.rank(), Relaxed);
     SIZE.store(world.size(), Relaxed);
+    fsdp_comm::heartbeat::on_loss(lost);
     std::panic::set_hook(Box::new(|info| {
         let msg = panic_text(info.payload());
         if crate::exercise::is_stub(&msg) {
@@ -168,6 +171,20 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
             }
         },
     }
+}
+
+/// Rank 0's line when the heartbeat loses a node (across machines): what
+/// was lost, in which step, and where the last checkpoint is; then the job ends.
+fn lost(what: &str) -> ! {
+    let saved = match crate::save::last_checkpoint() {
+        Some((dir, ckpt)) => {
+            format!("the last checkpoint, {}, is whole: resume with --resume {}", dir.display(), ckpt.display())
+        }
+        None => "this run saved no checkpoint (pass --ckpt DIR --save-every K)".to_string(),
+    };
+    say!("error: {what}, during step {}: the job ends; {saved}", crate::stop::step());
+    crate::resume::release_ckpt_lock();
+    fsdp_comm::abort_job(3)
 }
 
 /// Fault injection for the tests: `FSDP_FAILPOINT=panic-after-step:STEP`

@@ -138,6 +138,9 @@ impl Session<'_> {
                     .map(|dir| Some((dir, total)))
             }
         };
+        if let Ok(Some((dir, _))) = &committed {
+            *LAST.lock().unwrap_or_else(|p| p.into_inner()) = Some((dir.clone(), ckpt.to_path_buf()));
+        }
         if let Ok(Some((dir, total))) = &committed {
             println!(
                 "checkpoint: step {step} → {} ({} shard file{}, {} in all, {:.2} s)",
@@ -150,6 +153,14 @@ impl Session<'_> {
         }
         agree(w, committed.map(|_| ()))
     }
+}
+
+/// The newest checkpoint this run committed (rank 0), and its `--ckpt` folder.
+static LAST: std::sync::Mutex<Option<(std::path::PathBuf, std::path::PathBuf)>> = std::sync::Mutex::new(None);
+
+/// The newest checkpoint this run committed and its `--ckpt` folder (rank 0 only knows).
+pub(crate) fn last_checkpoint() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    LAST.try_lock().ok().and_then(|l| l.clone())
 }
 
 fn hex_to_bytes(hex: &str) -> [u8; 32] {

@@ -47,6 +47,11 @@ pub(crate) fn install(is_root: bool, under_mpirun: bool) {
     }
 }
 
+/// The step being trained.
+pub(crate) fn step() -> u64 {
+    STEP.load(SeqCst)
+}
+
 /// `--ckpt` given: a stop waits for the step's end and saves first.
 pub(crate) fn save_first(on: bool) {
     SAVE_FIRST.store(on, SeqCst);
@@ -113,6 +118,7 @@ pub(crate) fn exit_code(sig: i32) -> i32 {
 pub(crate) fn exit_now(code: i32) -> ! {
     use std::io::Write;
     crate::resume::release_ckpt_lock(); // _exit runs no destructor
+    fsdp_comm::heartbeat::farewell(); // an agreed end, across machines no loss
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     // SAFETY: _exit ends the process; nothing is left to run.
