@@ -5,8 +5,9 @@ two simulated nodes of two ranks each (4 ranks; a node's two ranks share its cor
 shared memory), the link between them shaped to RATE each way. In one run, alternated rep by rep:
 
 - lesson 03, full shard (every unit over all 4 ranks), without and with `--prefetch`;
-- lesson 03 `--hsdp 2`: one shard group per node, each shard's gradient all-reduced between the nodes
-  (HSDP with overlap is refused by the lesson: its communication stream spans the world only);
+- lesson 03 `--hsdp 2`: one shard group per node, each shard's gradient all-reduced between the nodes,
+  without and with `--prefetch` (the stream then gathers in its shard group, and reduce-scatters and
+  all-reduces each unit in one op);
 
 each with the tiny preset, one 8 × 64 micro-batch per rank. For every configuration: the median step,
 the bytes node 1 sent to node 2 per step as the lesson counted them (each collective's payload to ranks
@@ -30,6 +31,7 @@ CONFIGS = [  # (label, flags)
     ("full shard (S = 4)", ["--no-plot"]),
     ("full shard (S = 4), --prefetch", ["--no-plot", "--prefetch"]),
     ("HSDP (S = 2, a shard group per node)", ["--no-plot", "--hsdp", "2"]),
+    ("HSDP (S = 2), --prefetch", ["--no-plot", "--hsdp", "2", "--prefetch"]),
 ]
 
 
@@ -110,10 +112,14 @@ def main():
     lines.append("├─" + "─┼─".join("─" * w for w in widths) + "─┤")
     lines.extend(fmt(row) for row in table[1:])
     lines.append("└─" + "─┴─".join("─" * w for w in widths) + "─┘")
+    med = {label: statistics.median(rows[label]["step_ms"]) for label, _ in CONFIGS}
     full, hybrid = (rows[label] for label in (CONFIGS[0][0], CONFIGS[2][0]))
     fr, hr = (counted(x["report"], x["report"]["steps"])[0] for x in (full, hybrid))
+    (f, fp), (h, hp) = ((med[CONFIGS[i][0]], med[CONFIGS[i + 1][0]]) for i in (0, 2))
     lines += ["", f"between the nodes HSDP sends {hr / fr:.3f} of full sharding's bytes (counted), "
               f"{statistics.median(hybrid['link']) / statistics.median(full['link']):.3f} on the link; "
+              f"its step takes {h / f:.2f} of full sharding's without overlap, {hp / fp:.2f} with --prefetch "
+              f"(--prefetch: {fp / f:.2f} of the blocking step fully sharded, {hp / h:.2f} under HSDP); "
               f"every run's weights digest {digests.pop()} (lesson 01's)"]
     text = "\n".join(lines) + "\n"
     with open(f"{a.out}/hsdp.txt", "w") as f:

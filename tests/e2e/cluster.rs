@@ -105,7 +105,8 @@ fn fresh(name: &str) -> (PathBuf, PathBuf) {
     (ck, out_dir(&format!("{name}-out")))
 }
 
-/// HSDP on 2 nodes × 2 ranks (S = 2: a shard group per node) and 2 × 4
+/// HSDP on 2 nodes × 2 ranks (S = 2: a shard group per node; with and
+/// without `--prefetch`) and 2 × 4
 /// (S = 4, and S = 2: two groups per node) gives lesson 01's weights; the
 /// shard groups' gathers and reduce-scatters stay inside a node, and of the
 /// replica all-reduce what goes to ranks on the other node crosses (all of
@@ -116,15 +117,17 @@ fn hsdp_across_two_nodes_equals_lesson_01_and_keeps_the_gathers_inside_a_node() 
         let n = 2 * slots;
         let (o, local) = mpirun("step01-data-parallel", n, FAST, &format!("cl-hsdp-dp-{n}"));
         ok_stdout(&o);
-        for &s in shards {
-            let (_, out) = fresh(&format!("cl-hsdp-{n}-{s}"));
+        // 2 × 2 with the stream too (--prefetch: its own shard and replica groups).
+        let runs: Vec<(usize, &str)> = shards.iter().map(|&s| (s, "")).chain((n == 4).then_some((2, "--prefetch"))).collect();
+        for (s, extra) in runs {
+            let (_, out) = fresh(&format!("cl-hsdp-{n}-{s}{extra}"));
             let args = FAST.join(" ");
             let script = format!(
-                "mpirun -q --hostfile $FSDP_CLUSTER/hosts -n {n} -x RAYON_NUM_THREADS=1 $BIN/step03-layerwise-shard {args} --no-plot --hsdp {s} --out $OUT"
+                "mpirun -q --hostfile $FSDP_CLUSTER/hosts -n {n} -x RAYON_NUM_THREADS=1 $BIN/step03-layerwise-shard {args} --no-plot --hsdp {s} {extra} --out $OUT"
             );
-            let o = on_cluster(&format!("h{n}{s}"), slots, &script, &out, &out);
+            let o = on_cluster(&format!("h{n}{s}{}", extra.len()), slots, &script, &out, &out);
             ok_stdout(&o);
-            assert_eq!(digest(&out), digest(&local), "{n} ranks on 2 nodes, S = {s}");
+            assert_eq!(digest(&out), digest(&local), "{n} ranks on 2 nodes, S = {s} {extra}");
             let r = report(&out);
             assert_eq!(r["node_of_rank"], serde_json::json!((0..n).map(|k| k / slots).collect::<Vec<_>>()));
             let g = &r["traffic_by_group"];

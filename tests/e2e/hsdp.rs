@@ -15,9 +15,10 @@ fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
 }
 
 /// At 4 ranks (S = 2) and 8 ranks (S = 2, 4): lesson 03 — clipped too, the
-/// norm summed over the shard group only — and lesson 04's three stages in
-/// fp32 give lesson 01's final weights, file byte for byte; in bf16, ZeRO-3
-/// under HSDP gives ZeRO-3's.
+/// norm summed over the shard group only, and with `--prefetch` — and
+/// lesson 04's three stages in fp32 (ZeRO-2 with `--overlap-comm` too) give
+/// lesson 01's final weights, file byte for byte; in bf16, ZeRO-3 under
+/// HSDP gives ZeRO-3's.
 #[test]
 fn hsdp_equals_lesson_01_bit_for_bit_at_4_and_8_ranks() {
     for (n, shards, clip) in [(4usize, &[2usize][..], true), (8, &[2, 4][..], false)] {
@@ -30,6 +31,9 @@ fn hsdp_equals_lesson_01_bit_for_bit_at_4_and_8_ranks() {
             let s = size.to_string();
             let runs: Vec<(&str, Vec<&str>)> = vec![
                 (L03, with(&base, &["--no-plot", "--hsdp", &s])),
+                // the overlapped schedules: on the stream's own shard and replica groups
+                (L03, with(&base, &["--no-plot", "--hsdp", &s, "--prefetch"])),
+                (L04, with(&base, &["--stage", "2", "--precision", "fp32", "--hsdp", &s, "--overlap-comm"])),
                 (L04, with(&base, &["--stage", "1", "--precision", "fp32", "--hsdp", &s])),
                 (L04, with(&base, &["--stage", "2", "--precision", "fp32", "--hsdp", &s])),
                 (L04, with(&base, &["--stage", "3", "--precision", "fp32", "--hsdp", &s])),
@@ -60,7 +64,7 @@ fn group(r: &serde_json::Value, name: &str, kind: &str) -> (u64, Option<u64>) {
 
 /// Lesson 03 at 4 ranks, S = 2: the all-gathers and reduce-scatters run in
 /// the shard group and the all-reduce in the replica group, each sending
-/// its theory's bytes; the totals are their sum; the tally holds the
+/// its theory's bytes, blocking or on the stream (`--prefetch`); the totals are their sum; the tally holds the
 /// measured heap (the replica all-reduce's buffer included); and
 /// `zero-tally 809856 4 --hsdp 2` gives the same bytes per device.
 #[test]
@@ -79,6 +83,13 @@ fn hsdp_sends_each_collective_over_its_group_as_the_formulas_say() {
         // Nothing else runs there: the all-reduce only across, the gathers only inside.
         let other = if g == shard { replica } else { shard };
         assert_eq!(group(&r, other, kind).0, 0, "{kind} in the {other}");
+    }
+    // On the stream (--prefetch): the same bytes, in the same groups.
+    let (o, out_p) = mpirun(L03, 4, &with(&args, &["--prefetch"]), "hsdp-traffic-prefetch");
+    ok_stdout(&o);
+    let rp = report(&out_p);
+    for (g, kind) in [(shard, "all_gather"), (shard, "reduce_scatter"), (replica, "all_reduce")] {
+        assert_eq!(group(&rp, g, kind), group(&r, g, kind), "--prefetch: {g} {kind}");
     }
     let steps = r["losses"].as_array().unwrap().len() as u64;
     let total: u64 = ["all_gather", "reduce_scatter", "all_reduce", "grad_norm"]
@@ -119,7 +130,7 @@ fn hsdp_sends_each_collective_over_its_group_as_the_formulas_say() {
 }
 
 /// Values of S that cannot shard evenly or cannot keep lesson 01's bits,
-/// and the combinations not built yet, get one line each.
+/// and the one combination not built yet (a trace), get one line each.
 #[test]
 fn bad_hsdp_values_get_one_line() {
     let e = fails(L03, 4, &with(FAST, &["--hsdp", "0"]), "hsdp-0");
@@ -131,10 +142,9 @@ fn bad_hsdp_values_get_one_line() {
         e,
         "error: --hsdp 2 on 6 ranks makes 3 replica groups, whose sum is not lesson 01's pairwise tree (the number of replica groups must be a power of two): pass one of 1, 3, 6"
     );
-    let e = fails(L03, 4, &with(FAST, &["--hsdp", "2", "--prefetch"]), "hsdp-prefetch");
-    assert!(e.starts_with("error: --hsdp runs without overlap"), "{e}");
-    let e = fails(L04, 4, &with(FAST, &["--stage", "2", "--hsdp", "2", "--overlap-comm"]), "hsdp-overlap");
-    assert!(e.starts_with("error: --hsdp runs without overlap"), "{e}");
+    let trace = out_dir("hsdp-trace-folder");
+    let e = fails(L03, 4, &with(FAST, &["--hsdp", "2", "--trace", trace.to_str().unwrap()]), "hsdp-trace");
+    assert!(e.starts_with("error: --hsdp is not traced yet"), "{e}");
     let e = fails(L03, 4, &with(FAST, &["--hsdp", "-2"]), "hsdp-negative");
     assert!(e.contains("invalid value '-2' for '--hsdp <S>'"), "{e}");
 }

@@ -15,7 +15,7 @@ use fsdp_comm::{Collective, ShardLayout, Traffic, World};
 use fsdp_harness::{Report, Session};
 
 /// `--hsdp S`: why these S cannot run, in one line (None: they can).
-pub fn refusal(s: &Session, size: usize, prefetch: bool) -> Option<anyhow::Error> {
+pub fn refusal(s: &Session, size: usize) -> Option<anyhow::Error> {
     let n = s.world.size();
     let list = |keep: &dyn Fn(usize) -> bool| (1..=n).filter(|&d| keep(d)).map(|d| d.to_string()).collect::<Vec<_>>();
     Some(if size == 0 || !n.is_multiple_of(size) {
@@ -28,10 +28,6 @@ pub fn refusal(s: &Session, size: usize, prefetch: bool) -> Option<anyhow::Error
             "--hsdp {size} on {n} ranks makes {} replica groups, whose sum is not lesson 01's pairwise tree (the number of replica groups must be a power of two): pass one of {}",
             n / size,
             list(&|d| s.sum_groups.hsdp_same_bits(d)).join(", ")
-        )
-    } else if prefetch {
-        anyhow!(
-            "--hsdp runs without overlap: the communication stream works over the whole world, not over shard groups; leave out --hsdp or the overlap flag"
         )
     } else if s.args.trace.is_some() {
         anyhow!("--hsdp is not traced yet (the trace records the world's collectives): leave out --trace, or --hsdp")

@@ -82,7 +82,7 @@ fn main() -> ExitCode {
             },
         )?;
         if let Some(size) = args.hsdp {
-            fsdp_harness::edge::agree(world, hsdp::refusal(&s, size, args.prefetch).map_or(Ok(()), Err))?;
+            fsdp_harness::edge::agree(world, hsdp::refusal(&s, size).map_or(Ok(()), Err))?;
         }
         if args.prefetch {
             // FSDP2's streams: a communication thread of its own, started on every rank together.

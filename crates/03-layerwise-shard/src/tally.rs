@@ -7,7 +7,7 @@ use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
 use crate::layerwise_shard::HeadGrad;
-use crate::units::{FsdpUnit, receive_buffers};
+use crate::units::{FsdpUnit, in_flight_part, receive_buffers};
 
 // ANCHOR: tally
 /// Bytes this rank holds, by category, from shapes: every unit's shards
@@ -96,6 +96,9 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
                 4,
                 "--prefetch: sent from the stream while this unit computes",
             );
+            if let Some((category, len, note)) = in_flight_part(s, u) {
+                m.add(&category, len, 4, note);
+            }
         }
     };
     let sums = |m: &mut Moment, u: &FsdpUnit, k: usize| {

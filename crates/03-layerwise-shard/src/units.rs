@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{Comm, MicroBatchSum, Pending, ShardLayout, World};
+use fsdp_comm::{Comm, Group, MicroBatchSum, Pending, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
@@ -243,10 +243,11 @@ impl FsdpUnit {
     pub fn unshard_async(&self, w: &World) -> candle_core::Result<Unsharding> {
         let n = self.layout.padded;
         let label = || format!("all_gather {}", self.name);
+        let g = if self.policy.hsdp.is_some() { Group::Shard } else { Group::World }; // where the shards are
         match self.policy.param_dtype {
-            DType::F32 => Ok(Unsharding::F32(w.all_gather_async(self.master.clone(), vec![0.0; n]).label(w, label))),
+            DType::F32 => Ok(Unsharding::F32(w.all_gather_async_in(g, self.master.clone(), vec![0.0; n]).label(w, label))),
             DType::BF16 => Ok(Unsharding::Bf16(
-                w.all_gather_async((self.policy.bf16_wire)(&self.master), vec![0; n]).label(w, label),
+                w.all_gather_async_in(g, (self.policy.bf16_wire)(&self.master), vec![0; n]).label(w, label),
             )),
             other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
         }
@@ -267,7 +268,7 @@ impl FsdpUnit {
     /// stream of its own — and [`FsdpUnit::wait_grad`] takes the shard when
     /// it is needed; `grads` is left empty.
     pub fn reduce_scatter(&mut self, w: &World, grads: &mut MicroBatchSum) {
-        if let (group, Some(replicas)) = groups(w, self.policy) {
+        if let (group, Some(replicas)) = groups(w, self.policy).into_blocking(self.policy.overlap) {
             // HSDP: my shard of my shard group's sum, then that partial sum
             // added across the groups holding the same shard — the pairwise
             // tree over the groups (`SumGroups::hsdp_same_bits` says when
@@ -281,15 +282,26 @@ impl FsdpUnit {
         self.wait_grad(w); // a unit has one reduce-scatter in flight at most
         let shard = std::mem::take(&mut self.grad); // its buffer travels with the sums
         let name = &self.name;
-        self.reducing = Some(w.reduce_scatter_sum_async(grads, shard).label(w, || format!("reduce_scatter {name}")));
+        let pending = match self.policy.hsdp {
+            // HSDP: the reduce-scatter and the replica all-reduce, one op on the stream
+            // (its own shard buffer, padded for the all-reduce: this one goes).
+            Some(_) => w.hsdp_reduce_async(grads, self.layout.shard_len),
+            None => w.reduce_scatter_sum_async(grads, shard),
+        };
+        self.reducing = Some(pending.label(w, || format!("reduce_scatter {name}")));
     }
 
     /// Waits for the unit's reduce-scatter in flight, if any: afterwards its
     /// gradient shard is here.
     pub fn wait_grad(&mut self, w: &World) {
         if let Some(p) = self.reducing.take() {
-            self.grad = p.wait(w);
+            self.grad = p.wait(w); // under HSDP, recorded in the shard and replica groups
         }
+    }
+
+    /// How the unit is held (its policy).
+    pub fn policy(&self) -> UnitPolicy {
+        self.policy
     }
 
     /// AdamW on my shard, with the gradient scaled by `f` (the mean's 1/M
@@ -348,15 +360,39 @@ pub fn all_reduce_shard(replicas: &Comm, shard: &mut [f32]) {
 
 /// The ranks a unit is sharded over — the world, or under HSDP my shard
 /// group — and, under HSDP, my replica group.
-pub fn groups(w: &World, policy: UnitPolicy) -> (&Comm, Option<&Comm>) {
+pub fn groups(w: &World, policy: UnitPolicy) -> Groups<'_> {
     match policy.hsdp {
-        None => (w, None),
+        None => Groups(w, None),
         Some(s) => {
             let mesh = w.mesh(s); // split on first use: every rank builds its units in one order
-            (&mesh.shard, Some(&mesh.replica))
+            Groups(&mesh.shard, Some(&mesh.replica))
         }
     }
 }
+
+/// A unit's shard group and, under HSDP, its replica group ([`groups`]).
+pub struct Groups<'w>(pub &'w Comm, pub Option<&'w Comm>);
+
+impl<'w> Groups<'w> {
+    /// Both, for a blocking reduction; under overlap none (the stream's own groups reduce).
+    fn into_blocking(self, overlap: bool) -> (&'w Comm, Option<&'w Comm>) {
+        (self.0, self.1.filter(|_| !overlap))
+    }
+}
+
+// ANCHOR: in_flight_part
+/// Under HSDP with the stream, a unit's reduction in flight holds, beyond
+/// its sums, the replica all-reduce's part: 1/R of its shard (padded to R
+/// parts). The tally's row for it, `(category, elements, note)`.
+pub fn in_flight_part(s: &Session, u: &FsdpUnit) -> Option<(String, usize, &'static str)> {
+    let size = u.policy.hsdp.filter(|_| u.policy.overlap)?;
+    let r = s.world.size() / size;
+    (r > 1).then(|| {
+        let part = u.layout.shard_len.next_multiple_of(r) / r;
+        (format!("{}'s replica all-reduce part (fp32)", u.name), part, "1/R of its shard, in flight with it")
+    })
+}
+// ANCHOR_END: in_flight_part
 
 /// Unit `u`'s reduce-scatter is next: the one in flight before it
 /// (`reducing`, the unit it was) is waited for first, so that one is in
@@ -437,11 +473,16 @@ pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit], on_stream: bool)
     let Some(size) = units[0].policy.hsdp else {
         return s.reserve_receive_buffer(largest_padded(units), on_stream);
     };
-    let mesh = s.world.mesh(size);
+    let (w, mesh) = (s.world, s.world.mesh(size));
     for (category, len, _) in receive_buffers(s, units) {
-        match category {
-            "replica all-reduce receive buffer" => mesh.replica.reserve_receive_buffer(len, mesh.replica.size()),
-            _ => mesh.shard.reserve_receive_buffer(len, s.sum_groups.per_rank() * size),
+        let (group, parts) = match category {
+            "replica all-reduce receive buffer" => (Group::Replica, mesh.replica.size()),
+            _ => (Group::Shard, s.sum_groups.per_rank() * size),
+        };
+        match (on_stream, group) {
+            (true, g) => w.reserve_stream_receive_buffer_in(g, len, parts),
+            (false, Group::Replica) => mesh.replica.reserve_receive_buffer(len, parts),
+            (false, _) => mesh.shard.reserve_receive_buffer(len, parts),
         }
     }
 }

@@ -95,8 +95,7 @@ fn main() -> ExitCode {
             },
         )?;
         if let Some(size) = args.hsdp {
-            let overlap = args.prefetch || args.overlap_comm;
-            fsdp_harness::edge::agree(world, hsdp::refusal(&s, size, overlap).map_or(Ok(()), Err))?;
+            fsdp_harness::edge::agree(world, hsdp::refusal(&s, size).map_or(Ok(()), Err))?;
         }
         if args.prefetch || args.overlap_comm {
             // FSDP2's streams, DeepSpeed's overlap_comm: a communication thread of its own, on every rank.

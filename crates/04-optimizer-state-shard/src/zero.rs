@@ -5,7 +5,7 @@ use fsdp_gpt::Unit;
 use fsdp_harness::session::widen_row;
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
-use step03_layerwise_shard::units::{FsdpUnit, largest_padded, receive_buffers};
+use step03_layerwise_shard::units::{FsdpUnit, in_flight_part, largest_padded, receive_buffers};
 
 /// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
 pub const SCHEMES: [(u8, &str); 4] = [(0, "data parallel"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")];
@@ -267,6 +267,9 @@ fn blockwise_moments(s: &Session, units: &[FsdpUnit], recompute: bool, k: usize,
                 4,
                 "--overlap-comm: sent from the stream while the blocks below compute",
             );
+            if let Some((category, len, note)) = in_flight_part(s, &units[x]) {
+                m.add(&category, len, 4, note);
+            }
         }
     })
 }

@@ -108,7 +108,7 @@ impl Comm {
     pub fn split(&self, color: usize, key: usize) -> Comm {
         let color = mpi::topology::Color::with_value(color as i32);
         let comm = self.comm.split_by_color_with_key(color, key as i32).expect("a rank with a colour is in its group");
-        let group = Comm::new(comm, self.sync, None).with_nodes(self.node());
+        let group = Comm::new(comm, self.sync, self.progress.clone()).with_nodes(self.node()); // a stream's: non-blocking too
         group.rank_sum.set(self.rank_sum.get());
         group
     }

@@ -52,7 +52,7 @@ pub use layout::{ShardInfo, ShardLayout};
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
 pub use mpi::traits::Equivalence;
 pub use reduce::{Adding, MicroBatchSum, SumGroups, nan_max, sum_pairwise};
-pub use stream::{Pending, Policy, Stream, Wire};
+pub use stream::{Group, Pending, Policy, Stream, Wire};
 pub use trace::{Lane, Span, Trace};
 pub use traffic::{Collective, Times, Traffic, TrafficStats};
 pub use world::{CommError, Mesh, World, abort_job};

@@ -151,11 +151,36 @@ impl Progress {
     }
 }
 
+/// Which of the stream's communicators a collective runs over: its
+/// duplicate of the world's, or under HSDP its own shard or replica group
+/// (split from that duplicate, as the compute thread's [`crate::Mesh`] is from the world).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Group {
+    World = 0,
+    Shard = 1,
+    Replica = 2,
+}
+
 /// A collective and its buffers, as it travels to the stream's thread and back.
 #[doc(hidden)]
 pub enum Op {
     Empty,
     Reserve(usize, usize),
+    /// HSDP's mesh for the stream: shard groups of this many ranks.
+    Split(usize),
+    /// HSDP's gradient reduction of a unit: the reduce-scatter in the shard
+    /// group into `mine[..shard]`, then the all-reduce of `mine` (padded to
+    /// R equal parts, zeros past `shard`) across the replica group, `part`
+    /// its 1/R; `mid` is when the first ended.
+    HsdpReduce {
+        send: Vec<f32>,
+        groups: usize,
+        mine: Vec<f32>,
+        shard: usize,
+        part: Vec<f32>,
+        rank_sum: RankSum,
+        mid: Option<Instant>,
+    },
     GatherF32 { mine: Vec<f32>, all: Vec<f32> },
     GatherU16 { mine: Vec<u16>, all: Vec<u16> },
     ReduceScatter { send: Vec<f32>, groups: usize, mine: Vec<f32>, rank_sum: RankSum },
@@ -163,9 +188,20 @@ pub enum Op {
 }
 
 impl Op {
-    fn run(&mut self, c: &Comm) {
+    fn run(&mut self, comms: &mut Vec<Comm>, group: Group) {
+        if let Op::Split(size) = self {
+            let mesh = crate::world::Mesh::split(&comms[0], *size);
+            comms.extend([mesh.shard, mesh.replica]);
+            return;
+        }
+        if let Op::HsdpReduce { send, groups, mine, shard, part, rank_sum, mid } = self {
+            comms[Group::Shard as usize].reduce_scatter_packed(send, *groups, &mut mine[..*shard], *rank_sum);
+            *mid = Some(Instant::now());
+            return comms[Group::Replica as usize].all_reduce_packed(mine, 1, part, *rank_sum);
+        }
+        let c = &comms[group as usize];
         match self {
-            Op::Empty => {}
+            Op::Empty | Op::Split(_) | Op::HsdpReduce { .. } => {}
             Op::Reserve(len, parts) => c.reserve_receive_buffer(*len, *parts),
             Op::GatherF32 { mine, all } => c.all_gather_untimed(&mine[..], &mut all[..]),
             Op::GatherU16 { mine, all } => c.all_gather_untimed(&mine[..], &mut all[..]),
@@ -219,6 +255,7 @@ enum Phase {
 struct SlotState {
     phase: Phase,
     op: Op,
+    group: Group,
     /// When the stream's thread ran it, and its CPU seconds.
     ran: (Instant, Instant, f64),
     panic: Option<Box<dyn Any + Send>>,
@@ -270,6 +307,7 @@ impl Stream {
                 state: Mutex::new(SlotState {
                     phase: Phase::Free,
                     op: Op::Empty,
+                    group: Group::World,
                     ran: (Instant::now(), Instant::now(), 0.0),
                     panic: None,
                 }),
@@ -292,22 +330,22 @@ impl Stream {
                 let comm = Comm::new(SimpleCommunicator::world().duplicate(), false, Some(on_thread.progress.clone()));
                 let realtime = policy.eager && first_in_line();
                 let _ = ready.send(realtime);
-                serve(&comm, &on_thread);
+                serve(&mut vec![comm], &on_thread);
             })
             .expect("the communication thread starts");
         let realtime = started.recv().expect("the communication thread reports its communicator");
         Self { shared, thread: Some(thread), realtime, eager: policy.eager }
     }
 
-    /// Hands `op` over; it runs after every collective handed over before it.
-    fn submit(&self, op: Op) -> usize {
+    /// Hands `op` over, to run over `group`; it runs after every collective handed over before it.
+    fn submit(&self, op: Op, group: Group) -> usize {
         let mut op = Some(op);
         let slot = self.shared.slots.iter().position(|s| {
             let mut st = lock(&s.state);
             if st.phase != Phase::Free {
                 return false;
             }
-            (st.phase, st.op, st.panic) = (Phase::Queued, op.take().expect("one op"), None);
+            (st.phase, st.op, st.group, st.panic) = (Phase::Queued, op.take().expect("one op"), group, None);
             true
         });
         let slot = slot.unwrap_or_else(|| panic!("more than {SLOTS} collectives in flight on the stream"));
@@ -342,26 +380,66 @@ impl Shared {
 impl Stream {
     /// Allocates the stream's receive buffer for the ordered reductions now
     /// (see [`Comm::reserve_receive_buffer`]), so that its thread never allocates later.
-    pub(crate) fn reserve_receive_buffer(&self, len: usize, parts: usize) {
-        let slot = self.submit(Op::Reserve(len, parts));
+    pub(crate) fn reserve_receive_buffer(&self, len: usize, parts: usize, group: Group) {
+        self.run_now(Op::Reserve(len, parts), group);
+    }
+
+    /// Splits the stream's own HSDP mesh (every rank's stream together).
+    pub(crate) fn split(&self, shard: usize) {
+        self.run_now(Op::Split(shard), Group::World);
+    }
+
+    /// Runs `op` and waits for it.
+    fn run_now(&self, op: Op, group: Group) {
+        let slot = self.submit(op, group);
         let (_, _, panic) = self.shared.finish(slot);
         if let Some(p) = panic {
             std::panic::resume_unwind(p);
         }
     }
 
-    /// Hands over an all-gather of `mine` into `all` (N · `mine.len()`).
-    pub(crate) fn all_gather<T: Wire>(&self, rec: &Comm, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
+    /// Hands over an all-gather of `mine` into `all` (N · `mine.len()`)
+    /// over `group`, whose compute-thread twin `rec` records it.
+    pub(crate) fn all_gather<T: Wire>(&self, rec: &Comm, group: Group, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
         assert_eq!(all.len(), mine.len() * rec.size(), "all_gather: output must hold N shards");
         let bytes = rec.all_gather_bytes(&mine);
-        self.pending(T::gather(mine, all), Collective::AllGather, bytes, T::gathered)
+        self.pending(T::gather(mine, all), group, Collective::AllGather, bytes, T::gathered)
     }
 
     /// Hands `op` over and returns its [`Pending`].
-    fn pending<T>(&self, op: Op, kind: Collective, bytes: usize, take: fn(Op) -> T) -> Pending<T> {
+    fn pending<T>(&self, op: Op, group: Group, kind: Collective, bytes: usize, take: fn(Op) -> T) -> Pending<T> {
         let issued = Instant::now(); // before the stream's thread may start it
-        let slot = self.submit(op);
-        Pending { shared: self.shared.clone(), slot, kind, bytes, label: None, take, waited: false, issued }
+        let slot = self.submit(op, group);
+        Pending { shared: self.shared.clone(), slot, group, kind, bytes, then: None, label: None, take, waited: false, issued }
+    }
+
+    /// Hands over HSDP's reduction of a unit's `groups` packed sums: the
+    /// reduce-scatter in the shard group (`shard_rec` records it) into my
+    /// `shard` elements of `mine`, then their all-reduce across the replica
+    /// group (`replica_rec`). `mine` and `part` come allocated (R · `part.len()`
+    /// elements, zeros past `shard`): the stream's thread allocates nothing.
+    /// Its [`Pending::wait`] gives `mine`, cut to `shard`.
+    pub(crate) fn hsdp_reduce(
+        &self,
+        (shard_rec, replica_rec): (&Comm, &Comm),
+        send: Vec<f32>,
+        groups: usize,
+        mine: Vec<f32>,
+        shard: usize,
+        part: Vec<f32>,
+    ) -> Pending<Vec<f32>> {
+        let first = shard_rec.reduce_scatter_bytes(groups, shard);
+        let second = replica_rec.all_reduce_bytes(1, part.len());
+        let op = Op::HsdpReduce { send, groups, mine, shard, part, rank_sum: shard_rec.rank_sum(), mid: None };
+        let mut p = self.pending(op, Group::Shard, Collective::ReduceScatter, first, |op| match op {
+            Op::HsdpReduce { mut mine, shard, .. } => {
+                mine.truncate(shard); // the padding goes; the buffer stays (as the unit's shard)
+                mine
+            }
+            _ => unreachable!("an HSDP reduction's slot holds its op"),
+        });
+        p.then = Some((Collective::AllReduce, second));
+        p
     }
 
     /// Hands over an ordered reduce-scatter of `groups` sums packed in `send`
@@ -375,7 +453,7 @@ impl Stream {
     ) -> Pending<Vec<f32>> {
         let bytes = rec.reduce_scatter_bytes(groups, mine.len());
         let op = Op::ReduceScatter { send, groups, mine, rank_sum: rec.rank_sum() };
-        self.pending(op, Collective::ReduceScatter, bytes, |op| match op {
+        self.pending(op, Group::World, Collective::ReduceScatter, bytes, |op| match op {
             // `send` is freed here, in the wait, on the compute thread.
             Op::ReduceScatter { mine, .. } => mine,
             _ => unreachable!("a reduce-scatter's slot holds its op"),
@@ -393,7 +471,7 @@ impl Stream {
     ) -> Pending<(Vec<f32>, Vec<f32>)> {
         let bytes = rec.all_reduce_bytes(groups, shard.len());
         let op = Op::AllReduce { buf, groups, shard, rank_sum: rec.rank_sum() };
-        self.pending(op, Collective::AllReduce, bytes, |op| match op {
+        self.pending(op, Group::World, Collective::AllReduce, bytes, |op| match op {
             Op::AllReduce { buf, shard, .. } => (buf, shard),
             _ => unreachable!("an all-reduce's slot holds its op"),
         })
@@ -411,7 +489,8 @@ impl Drop for Stream {
 }
 
 /// The stream's thread: runs what is handed over, in order, until stopped.
-fn serve(comm: &Comm, shared: &Shared) {
+/// `comms` starts as its duplicate of the world's communicator.
+fn serve(comms: &mut Vec<Comm>, shared: &Shared) {
     loop {
         let slot = {
             let mut q = lock(&shared.queue);
@@ -426,11 +505,14 @@ fn serve(comm: &Comm, shared: &Shared) {
             }
         };
         let s = &shared.slots[slot];
-        let mut op = std::mem::replace(&mut lock(&s.state).op, Op::Empty);
+        let (mut op, group) = {
+            let mut st = lock(&s.state);
+            (std::mem::replace(&mut st.op, Op::Empty), st.group)
+        };
         let (t0, cpu0) = (Instant::now(), thread_cpu_seconds());
         // A panic inside (an exercise's stub in the rank sum) goes back to
         // the compute thread, which raises it where it waits.
-        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op.run(comm))).err();
+        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op.run(comms, group))).err();
         let ran = (t0, Instant::now(), thread_cpu_seconds() - cpu0);
         let mut st = lock(&s.state);
         (st.op, st.ran, st.panic, st.phase) = (op, ran, panic, Phase::Done);
@@ -448,8 +530,13 @@ fn serve(comm: &Comm, shared: &Shared) {
 pub struct Pending<T> {
     shared: Arc<Shared>,
     slot: usize,
+    /// The communicator it runs over (its compute-thread twin records it).
+    group: Group,
     kind: Collective,
     bytes: usize,
+    /// A second collective the same op runs after the first (HSDP's
+    /// all-reduce after its reduce-scatter): its kind and bytes.
+    then: Option<(Collective, usize)>,
     label: Option<String>,
     take: fn(Op) -> T,
     waited: bool,
@@ -467,9 +554,21 @@ impl<T> Pending<T> {
     }
 
     /// Blocks until the collective has finished; returns its buffers, and
-    /// records it in `rec`'s traffic (the world's). The time blocked is its
-    /// *exposed* time; a panic on the stream is raised here.
-    pub fn wait(mut self, rec: &Comm) -> T {
+    /// records it in the traffic of the compute thread's communicator of its
+    /// group (the world's, or the mesh's shard or replica group). The time
+    /// blocked is its *exposed* time; a panic on the stream is raised here.
+    /// An op of two collectives (HSDP's reduction) records the second in the
+    /// replica group, each with its share of the time (the exposed wait and
+    /// the CPU split as their times are).
+    pub fn wait(self, w: &crate::World) -> T {
+        let rec = w.comm_of(self.group);
+        match self.then {
+            None => self.wait_both(rec, rec),
+            Some(_) => self.wait_both(rec, w.comm_of(Group::Replica)),
+        }
+    }
+
+    fn wait_both(mut self, rec: &Comm, rec2: &Comm) -> T {
         self.waited = true;
         let t0 = Instant::now();
         let (op, (start, end, cpu), panic) = self.shared.finish(self.slot);
@@ -477,8 +576,19 @@ impl<T> Pending<T> {
         if let Some(p) = panic {
             std::panic::resume_unwind(p);
         }
-        let times = Times { seconds: (end - start).as_secs_f64(), waited: 0.0, exposed: (t1 - t0).as_secs_f64(), cpu };
+        let exposed = (t1 - t0).as_secs_f64();
+        let (seconds, first) = ((end - start).as_secs_f64(), match &op {
+            Op::HsdpReduce { mid: Some(mid), .. } => (*mid - start).as_secs_f64(),
+            _ => (end - start).as_secs_f64(),
+        });
+        let share = if seconds > 0.0 { first / seconds } else { 1.0 };
+        let times = Times { seconds: first, waited: 0.0, exposed: exposed * share, cpu: cpu * share };
         rec.record(self.kind, self.bytes, self.bytes, times);
+        if let Some((kind, bytes)) = self.then {
+            let rest = 1.0 - share;
+            let times = Times { seconds: seconds - first, waited: 0.0, exposed: exposed * rest, cpu: cpu * rest };
+            rec2.record(kind, bytes, bytes, times);
+        }
         let mut trace = rec.trace.borrow_mut();
         if trace.is_on() {
             // Its span on the communication lane, and the wait for it on the

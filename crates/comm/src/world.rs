@@ -12,7 +12,7 @@ use thiserror::Error;
 use crate::comm::{Comm, pack_groups};
 use crate::heartbeat;
 use crate::reduce::MicroBatchSum;
-use crate::stream::{Pending, Policy, Stream, Wire};
+use crate::stream::{Group, Pending, Policy, Stream, Wire};
 use crate::trace::{Lane, Trace};
 
 #[derive(Debug, Error)]
@@ -94,7 +94,12 @@ impl World {
     /// HSDP's mesh with shard groups of `shard` consecutive ranks (every
     /// rank together, on the first call; `shard` must divide N).
     pub fn mesh(&self, shard: usize) -> &Mesh {
-        let mesh = self.mesh.get_or_init(|| Mesh::split(&self.comm, shard));
+        let mesh = self.mesh.get_or_init(|| {
+            if let Some(stream) = self.stream.get() {
+                stream.split(shard); // the stream's own groups, from its duplicate of the world's
+            }
+            Mesh::split(&self.comm, shard)
+        });
         assert_eq!(mesh.shard.size(), shard, "one mesh per run");
         mesh
     }
@@ -134,7 +139,11 @@ impl World {
             return Err(CommError::NoThreads(self.threading));
         }
         let policy = Policy::from_env().map_err(CommError::BadKnob)?;
-        Ok(self.stream.get_or_init(|| Stream::start(policy)))
+        let stream = self.stream.get_or_init(|| Stream::start(policy));
+        if let Some(mesh) = self.mesh.get() {
+            stream.split(mesh.shard.size()); // a mesh split before the stream: its groups too
+        }
+        Ok(stream)
     }
 
     /// The communication stream, if started.
@@ -151,13 +160,47 @@ impl World {
     /// reductions handed to it (the compute thread's own is
     /// [`Comm::reserve_receive_buffer`]).
     pub fn reserve_stream_receive_buffer(&self, len: usize, parts: usize) {
-        self.started().reserve_receive_buffer(len, parts);
+        self.reserve_stream_receive_buffer_in(Group::World, len, parts);
+    }
+
+    /// The same, for the stream's communicator of `group` (HSDP's shard or replica group).
+    pub fn reserve_stream_receive_buffer_in(&self, group: Group, len: usize, parts: usize) {
+        self.started().reserve_receive_buffer(len, parts, group);
+    }
+
+    /// The compute thread's communicator of `group`: the world's, or the mesh's.
+    pub(crate) fn comm_of(&self, group: Group) -> &Comm {
+        match (group, self.mesh.get()) {
+            (Group::World, _) => &self.comm,
+            (Group::Shard, Some(m)) => &m.shard,
+            (Group::Replica, Some(m)) => &m.replica,
+            (g, None) => panic!("{g:?}: the mesh is split first (World::mesh)"),
+        }
     }
 
     /// **all-gather on the stream**: `mine` (copied in by the caller, as
     /// FSDP2 copies into its all-gather input) into `all`, N shards long.
     pub fn all_gather_async<T: Wire>(&self, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
-        self.started().all_gather(&self.comm, mine, all)
+        self.all_gather_async_in(Group::World, mine, all)
+    }
+
+    /// The same over `group` (HSDP's shard group: `all` holds S shards).
+    pub fn all_gather_async_in<T: Wire>(&self, group: Group, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
+        self.started().all_gather(self.comm_of(group), group, mine, all)
+    }
+
+    /// **HSDP's reduction on the stream** of my gradient sums (their
+    /// buffers travel with it, `grads` is left empty): the reduce-scatter in
+    /// my shard group, then the all-reduce of my `shard`-long part across my
+    /// replica group, in one op — the bits of the blocking pair. Its buffers
+    /// are made here, on the compute thread.
+    pub fn hsdp_reduce_async(&self, grads: &mut MicroBatchSum, shard: usize) -> Pending<Vec<f32>> {
+        let mesh = self.mesh.get().expect("the mesh is split first (World::mesh)");
+        let (send, groups) = packed(grads.take_sums(), mesh.shard.size(), shard);
+        let r = mesh.replica.size();
+        let padded = shard.next_multiple_of(r); // R equal parts for the all-reduce
+        let (mine, part) = (vec![0.0; padded], vec![0.0; padded / r]);
+        self.started().hsdp_reduce((&mesh.shard, &mesh.replica), send, groups, mine, shard, part)
     }
 
     /// **reduce-scatter on the stream** of my gradient sums: their buffers
@@ -243,7 +286,7 @@ pub struct Mesh {
 }
 
 impl Mesh {
-    fn split(world: &Comm, shard: usize) -> Self {
+    pub(crate) fn split(world: &Comm, shard: usize) -> Self {
         assert!(shard > 0 && world.size().is_multiple_of(shard), "S = {shard} must divide N = {}", world.size());
         let r = world.rank();
         Self { shard: world.split(r / shard, r), replica: world.split(r % shard, r) }
