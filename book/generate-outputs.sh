@@ -111,6 +111,8 @@ echo "· 03-prefetch"
 cp out/book/01-two-ranks/loss.svg "$gen/01-loss.svg"
 run 04-stage3-four-ranks 4 step04-optimizer-state-shard
 run 04-stage1-four-ranks 4 step04-optimizer-state-shard --stage 1
+# Hybrid sharding on one machine: 4 ranks in 2 shard groups of 2 (`just step 03 4 --hsdp 2`).
+run 04-hsdp-four-ranks 4 step03-layerwise-shard --hsdp 2 --no-plot
 echo "· 04-tally"
 target/release/zero-tally 7B 64 > "$gen/04-tally-7b-64.txt"
 target/release/zero-tally 405B 1024 > "$gen/04-tally-405b-1024.txt"
@@ -159,4 +161,8 @@ for k, v in meta.items():
     else:
         print(f"  {k}: {json.dumps(v, ensure_ascii=False)}")
 PY
+# Across machines, on the simulated cluster (root): HSDP on 2 nodes × 2 ranks, and what a node
+# that dies, a link that goes down and a SIGTERM leave.
+echo "· appendix-cluster"
+bash book/cluster-listings.sh "$gen"
 echo "wrote $(ls "$gen" | wc -l) files under $gen"

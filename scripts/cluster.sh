@@ -180,12 +180,14 @@ export OMPI_MCA_rmaps_base_oversubscribe=1
 # A link that goes down sends nothing, not even a reset: mpirun's connection to
 # a far node's daemon then waits for TCP's keepalive probes, which Open MPI
 # starts after 300 s of silence, 20 s apart, 9 of them (8 minutes). The
-# lessons' heartbeat names the lost node after FSDP_HEARTBEAT_TIMEOUT (5 s)
-# and aborts; these let mpirun give up on the unreachable daemon 2 + 3 × 1 s
-# after the link went quiet, so that the job ends (a real cluster wants the same).
+# lessons' heartbeat names the lost node after FSDP_HEARTBEAT_TIMEOUT (5 s);
+# these let mpirun give up on the unreachable daemon about 8 × 1 s after the
+# link went quiet (its connection idles while the ranks train, so the probes
+# are already running) — after the heartbeat has spoken — and end the job
+# (a real cluster wants the same; see the appendix "running across machines").
 export OMPI_MCA_oob_tcp_keepalive_time=${OMPI_MCA_oob_tcp_keepalive_time:-2}
 export OMPI_MCA_oob_tcp_keepalive_intvl=${OMPI_MCA_oob_tcp_keepalive_intvl:-1}
-export OMPI_MCA_oob_tcp_keepalive_probes=${OMPI_MCA_oob_tcp_keepalive_probes:-3}
+export OMPI_MCA_oob_tcp_keepalive_probes=${OMPI_MCA_oob_tcp_keepalive_probes:-8}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 status=0
 ip netns exec "$(ns node1)" unshare --uts taskset -c "$(cores_of 1)" sh -c 'hostname node1 && exec "$@"' sh "$@" || status=$?

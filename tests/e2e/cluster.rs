@@ -118,7 +118,8 @@ fn hsdp_across_two_nodes_equals_lesson_01_and_keeps_the_gathers_inside_a_node() 
         let (o, local) = mpirun("step01-data-parallel", n, FAST, &format!("cl-hsdp-dp-{n}"));
         ok_stdout(&o);
         // 2 × 2 with the stream too (--prefetch: its own shard and replica groups).
-        let runs: Vec<(usize, &str)> = shards.iter().map(|&s| (s, "")).chain((n == 4).then_some((2, "--prefetch"))).collect();
+        let runs: Vec<(usize, &str)> =
+            shards.iter().map(|&s| (s, "")).chain((n == 4).then_some((2, "--prefetch"))).collect();
         for (s, extra) in runs {
             let (_, out) = fresh(&format!("cl-hsdp-{n}-{s}{extra}"));
             let args = FAST.join(" ");
@@ -157,9 +158,12 @@ fn hsdp_across_two_nodes_equals_lesson_01_and_keeps_the_gathers_inside_a_node() 
 }
 
 /// A node dies mid-step (every process in its namespace SIGKILLed): rank 0
-/// hears its heartbeat connection close and ends the job with one line
-/// naming the node, within a bound (measured here: 2.1 s, mpirun's teardown
-/// included); nothing is left running, and the last checkpoint resumes exactly.
+/// hears its heartbeat connection close and prints one line naming the
+/// node; mpirun, which lost the node's daemon, ends the job within its
+/// teardown — SIGTERM after `odls_base_sigkill_timeout`, which the stuck
+/// ranks cannot honour, SIGKILL as long again (measured here: 2.1 s at
+/// Open MPI's default 1 s, 6.1 s at the justfile's 3 s, with another test
+/// beside it); nothing is left running, and the last checkpoint resumes exactly.
 #[test]
 fn a_node_that_dies_mid_step_ends_the_job_with_one_line_naming_it() {
     let (ck, out) = fresh("cl-node-dies");
@@ -167,7 +171,7 @@ fn a_node_that_dies_mid_step_ends_the_job_with_one_line_naming_it() {
     let (rc, took, left) = ended(&o);
     eprintln!("node2 killed: the job ended {took:?} later, exit {rc}");
     assert_ne!(rc, 0);
-    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert!(took < Duration::from_secs(15), "{took:?}");
     assert_eq!(left, 0, "no rank outlives its job");
     let lines = errors(&out);
     assert_eq!(lines.len(), 1, "{lines:?}");
@@ -180,10 +184,12 @@ fn a_node_that_dies_mid_step_ends_the_job_with_one_line_naming_it() {
 /// The link between the nodes goes down mid-step (`ip link set eth0 down`
 /// in node 2): nothing arrives, not even a reset, and MPI would wait for
 /// TCP for minutes. The heartbeat's timeout (FSDP_HEARTBEAT_TIMEOUT, 5 s)
-/// names the node in one line; mpirun, whose daemon connection the
-/// cluster's keepalive settings probe 2 + 3 × 1 s after silence, ends the
-/// job (measured here: 6.0 s after the link went down); the far node's rank
-/// ends itself on the same timeout; the last checkpoint resumes exactly.
+/// names the node in one line; mpirun, whose idle connection to the far
+/// daemon the cluster's keepalive settings probe (2 s, then 8 × 1 s), ends
+/// the job (measured here: 11.1 s after the link went down alone, 15.6 s
+/// with another test beside it); the far
+/// node's rank ends itself on the heartbeat's timeout; the last checkpoint
+/// resumes exactly.
 #[test]
 fn a_link_that_goes_down_mid_step_ends_the_job_within_the_heartbeat_timeout() {
     let (ck, out) = fresh("cl-link-down");
@@ -191,7 +197,7 @@ fn a_link_that_goes_down_mid_step_ends_the_job_within_the_heartbeat_timeout() {
     let (rc, took, left) = ended(&o);
     eprintln!("link down: the job ended {took:?} later, exit {rc}");
     assert_ne!(rc, 0);
-    assert!(took >= Duration::from_secs(5) && took < Duration::from_secs(15), "{took:?}");
+    assert!(took >= Duration::from_secs(5) && took < Duration::from_secs(25), "{took:?}");
     assert_eq!(left, 0, "no rank outlives its job");
     let lines = errors(&out);
     assert_eq!(lines.len(), 1, "{lines:?}");

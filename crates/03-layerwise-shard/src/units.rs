@@ -245,7 +245,9 @@ impl FsdpUnit {
         let label = || format!("all_gather {}", self.name);
         let g = if self.policy.hsdp.is_some() { Group::Shard } else { Group::World }; // where the shards are
         match self.policy.param_dtype {
-            DType::F32 => Ok(Unsharding::F32(w.all_gather_async_in(g, self.master.clone(), vec![0.0; n]).label(w, label))),
+            DType::F32 => {
+                Ok(Unsharding::F32(w.all_gather_async_in(g, self.master.clone(), vec![0.0; n]).label(w, label)))
+            }
             DType::BF16 => Ok(Unsharding::Bf16(
                 w.all_gather_async_in(g, (self.policy.bf16_wire)(&self.master), vec![0; n]).label(w, label),
             )),
@@ -388,7 +390,7 @@ pub fn in_flight_part(s: &Session, u: &FsdpUnit) -> Option<(String, usize, &'sta
     let size = u.policy.hsdp.filter(|_| u.policy.overlap)?;
     let r = s.world.size() / size;
     (r > 1).then(|| {
-        let part = u.layout.shard_len.next_multiple_of(r) / r;
+        let part = u.layout.shard_len.div_ceil(r);
         (format!("{}'s replica all-reduce part (fp32)", u.name), part, "1/R of its shard, in flight with it")
     })
 }

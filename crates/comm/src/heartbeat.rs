@@ -17,8 +17,16 @@
 //!   (default [`DEFAULT_TIMEOUT`]; 0 turns the heartbeat off) → the link or
 //!   the node is down;
 //!
-//! and rank 0 prints one line and ends the job ([`on_loss`]: the lessons add
-//! the step and the checkpoint). A rank that stops hearing rank 0 ends
+//! and rank 0 prints one line ([`on_loss`]: the lessons add the step and the
+//! checkpoint). It then leaves the job's end to mpirun, which has lost the
+//! node's daemon too — at once when the node died; after a link went down,
+//! once its keepalive probes of that idle connection fail (scripts/cluster.sh
+//! sets them, 2 + 8 × 1 s: Open MPI's default waits 8 minutes). Rank 0 does
+//! not abort by itself first: an abort makes mpirun send to the unreachable
+//! daemon, and data unacknowledged on a dead link waits for TCP's
+//! retransmissions (15 minutes), not for keepalives — measured here, the job
+//! then ran on for 590 s. Only if mpirun has not ended the job [`GRACE`]
+//! after the line does rank 0 abort. A rank that stops hearing rank 0 ends
 //! itself, so that no rank outlives its job on the far side of a dead link.
 //! A rank that ends on its own error says so first ([`farewell`]), and the
 //! job's normal end is a farewell too: neither is a loss.
@@ -34,6 +42,8 @@ use crate::comm::Comm;
 pub const INTERVAL: Duration = Duration::from_millis(250);
 /// Silence after which a rank counts as lost, unless `FSDP_HEARTBEAT_TIMEOUT` says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+/// After its line, how long rank 0 leaves mpirun to end the job before it aborts.
+pub const GRACE: Duration = Duration::from_secs(60);
 
 /// What a byte on a heartbeat connection says.
 const BEAT: u8 = b'.';
@@ -43,12 +53,12 @@ const BYE: u8 = b'B';
 /// The connections of this rank: rank 0's to every other rank, another rank's to rank 0.
 static PEERS: Mutex<Vec<(usize, TcpStream)>> = Mutex::new(Vec::new());
 static ENDING: AtomicBool = AtomicBool::new(false);
-static HOOK: OnceLock<fn(&str) -> !> = OnceLock::new();
+static HOOK: OnceLock<fn(&str)> = OnceLock::new();
 
-/// What rank 0 does when a rank is lost: `hook(what)` prints one line about
-/// `what` (e.g. "node2 (ranks 2, 3) is gone: …") and ends the job. The
-/// default prints `error: {what}` and aborts.
-pub fn on_loss(hook: fn(&str) -> !) {
+/// What rank 0 says when a rank is lost: `hook(what)` prints one line about
+/// `what` (e.g. "node2 (ranks 2, 3) is gone: …"). The default prints
+/// `error: {what}`. Then mpirun ends the job (or, [`GRACE`] later, an abort).
+pub fn on_loss(hook: fn(&str)) {
     let _ = HOOK.set(hook);
 }
 
@@ -71,7 +81,7 @@ pub fn timeout_from_env() -> Result<Option<Duration>, String> {
     match std::env::var("FSDP_HEARTBEAT_TIMEOUT") {
         Err(_) => Ok(Some(DEFAULT_TIMEOUT)),
         Ok(v) => match v.trim().parse::<f64>() {
-            Ok(s) if s == 0.0 => Ok(None),
+            Ok(0.0) => Ok(None),
             Ok(s) if s.is_finite() && s >= 1.0 => Ok(Some(Duration::from_secs_f64(s))),
             _ => Err(format!(
                 "FSDP_HEARTBEAT_TIMEOUT={v}: give the seconds of silence after which a rank on another node counts as lost (1 or more, e.g. 5), 0 to turn the heartbeat off, or unset it"
@@ -257,7 +267,8 @@ fn report(lost: &[(usize, &str)], nodes: &[usize], names: &[String], timeout: Du
         Some(hook) => hook(&what),
         None => {
             let _ = std::io::stderr().write_all(format!("error: {what}\n").as_bytes());
-            crate::world::abort_job(3)
         }
     }
+    std::thread::sleep(GRACE); // mpirun, which lost the node's daemon too, ends the job meanwhile
+    crate::world::abort_job(3)
 }

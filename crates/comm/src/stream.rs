@@ -181,10 +181,26 @@ pub enum Op {
         rank_sum: RankSum,
         mid: Option<Instant>,
     },
-    GatherF32 { mine: Vec<f32>, all: Vec<f32> },
-    GatherU16 { mine: Vec<u16>, all: Vec<u16> },
-    ReduceScatter { send: Vec<f32>, groups: usize, mine: Vec<f32>, rank_sum: RankSum },
-    AllReduce { buf: Vec<f32>, groups: usize, shard: Vec<f32>, rank_sum: RankSum },
+    GatherF32 {
+        mine: Vec<f32>,
+        all: Vec<f32>,
+    },
+    GatherU16 {
+        mine: Vec<u16>,
+        all: Vec<u16>,
+    },
+    ReduceScatter {
+        send: Vec<f32>,
+        groups: usize,
+        mine: Vec<f32>,
+        rank_sum: RankSum,
+    },
+    AllReduce {
+        buf: Vec<f32>,
+        groups: usize,
+        shard: Vec<f32>,
+        rank_sum: RankSum,
+    },
 }
 
 impl Op {
@@ -410,7 +426,18 @@ impl Stream {
     fn pending<T>(&self, op: Op, group: Group, kind: Collective, bytes: usize, take: fn(Op) -> T) -> Pending<T> {
         let issued = Instant::now(); // before the stream's thread may start it
         let slot = self.submit(op, group);
-        Pending { shared: self.shared.clone(), slot, group, kind, bytes, then: None, label: None, take, waited: false, issued }
+        Pending {
+            shared: self.shared.clone(),
+            slot,
+            group,
+            kind,
+            bytes,
+            then: None,
+            label: None,
+            take,
+            waited: false,
+            issued,
+        }
     }
 
     /// Hands over HSDP's reduction of a unit's `groups` packed sums: the
@@ -577,10 +604,13 @@ impl<T> Pending<T> {
             std::panic::resume_unwind(p);
         }
         let exposed = (t1 - t0).as_secs_f64();
-        let (seconds, first) = ((end - start).as_secs_f64(), match &op {
-            Op::HsdpReduce { mid: Some(mid), .. } => (*mid - start).as_secs_f64(),
-            _ => (end - start).as_secs_f64(),
-        });
+        let (seconds, first) = (
+            (end - start).as_secs_f64(),
+            match &op {
+                Op::HsdpReduce { mid: Some(mid), .. } => (*mid - start).as_secs_f64(),
+                _ => (end - start).as_secs_f64(),
+            },
+        );
         let share = if seconds > 0.0 { first / seconds } else { 1.0 };
         let times = Times { seconds: first, waited: 0.0, exposed: exposed * share, cpu: cpu * share };
         rec.record(self.kind, self.bytes, self.bytes, times);

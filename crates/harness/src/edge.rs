@@ -174,8 +174,8 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
 }
 
 /// Rank 0's line when the heartbeat loses a node (across machines): what
-/// was lost, in which step, and where the last checkpoint is; then the job ends.
-fn lost(what: &str) -> ! {
+/// was lost, in which step, and where the last checkpoint is (mpirun then ends the job).
+fn lost(what: &str) {
     let saved = match crate::save::last_checkpoint() {
         Some((dir, ckpt)) => {
             format!("the last checkpoint, {}, is whole: resume with --resume {}", dir.display(), ckpt.display())
@@ -184,7 +184,6 @@ fn lost(what: &str) -> ! {
     };
     say!("error: {what}, during step {}: the job ends; {saved}", crate::stop::step());
     crate::resume::release_ckpt_lock();
-    fsdp_comm::abort_job(3)
 }
 
 /// Fault injection for the tests: `FSDP_FAILPOINT=panic-after-step:STEP`

@@ -167,7 +167,7 @@ fn hsdp(a: &Args, s: u64) {
     t.row([format!("HSDP, S = {s}"), cell(inner + outer), cell(outer), cell(2.0 * (r - 1.0) / r)]);
     println!("{}", t.render());
     println!(
-        "Across group boundaries HSDP moves two thirds of full sharding's bytes: one all-reduce of the gradient instead of two gathers and a reduce-scatter. What it wins more is where: every unit's all-gather, on the critical path of forward and backward, stays on a group's fast links, and its latency grows with S, not N. The price is memory: each device holds 1/S of the sharded states instead of 1/N, N/S = {} times as much.",
+        "Across group boundaries HSDP moves two thirds of what full sharding must move at the least: one all-reduce of the gradient instead of two gathers and a reduce-scatter (flat collectives, which send every far rank its own copy, move more; `just hsdp` measures both on two simulated nodes). What it wins more is where: every unit's all-gather, on the critical path of forward and backward, stays on a group's fast links, and its latency grows with S, not N. The price is memory: each device holds 1/S of the sharded states instead of 1/N, N/S = {} times as much.",
         a.ranks / s
     );
 }
