@@ -128,6 +128,10 @@ fn hsdp_across_two_nodes_equals_lesson_01_and_keeps_the_gathers_inside_a_node() 
             );
             let o = on_cluster(&format!("h{n}{s}{}", extra.len()), slots, &script, &out, &out);
             ok_stdout(&o);
+            // A normal end across machines is no loss: nothing on stderr but the step lines.
+            let stderr = String::from_utf8_lossy(&o.stderr);
+            let other: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty() && !l.starts_with("step ")).collect();
+            assert!(other.is_empty(), "{n} ranks, S = {s} {extra}: {other:?}");
             assert_eq!(digest(&out), digest(&local), "{n} ranks on 2 nodes, S = {s} {extra}");
             let r = report(&out);
             assert_eq!(r["node_of_rank"], serde_json::json!((0..n).map(|k| k / slots).collect::<Vec<_>>()));

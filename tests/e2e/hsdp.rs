@@ -55,6 +55,15 @@ fn hsdp_equals_lesson_01_bit_for_bit_at_4_and_8_ranks() {
     assert_eq!(digest(&full), digest(&hybrid));
 }
 
+/// Every rank's measured peak heap within 2% of the tally's.
+fn within_tally(r: &serde_json::Value) {
+    let tally = r["tally_expected_peak_bytes"].as_f64().unwrap();
+    for p in r["measured_peak_bytes"].as_array().unwrap() {
+        let ratio = p.as_f64().unwrap() / tally;
+        assert!((0.98..=1.02).contains(&ratio), "measured peak / tally = {ratio:.3}");
+    }
+}
+
 /// Bytes per step and rank from report.json, by kind, of one communicator.
 fn group(r: &serde_json::Value, name: &str, kind: &str) -> (u64, Option<u64>) {
     let g = &r["traffic_by_group"][name][kind];
@@ -91,6 +100,17 @@ fn hsdp_sends_each_collective_over_its_group_as_the_formulas_say() {
     for (g, kind) in [(shard, "all_gather"), (shard, "reduce_scatter"), (replica, "all_reduce")] {
         assert_eq!(group(&rp, g, kind), group(&r, g, kind), "--prefetch: {g} {kind}");
     }
+    // … and the tally holds the heap with the reductions in flight: lesson 03's
+    // peak comes while one is (the replica all-reduce's part a row of its own);
+    // ZeRO-2's, whose peak comes before, holds its heap all the same.
+    let rows = rp["tally"].as_array().unwrap();
+    let part = |row: &serde_json::Value| row["category"].as_str().unwrap().ends_with("replica all-reduce part (fp32)");
+    assert!(rows.iter().any(part), "{rows:?}");
+    within_tally(&rp);
+    let (o, out_z) =
+        mpirun(L04, 4, &with(FAST, &["--stage", "2", "--hsdp", "2", "--overlap-comm"]), "hsdp-zero2-overlap");
+    ok_stdout(&o);
+    within_tally(&report(&out_z));
     let steps = r["losses"].as_array().unwrap().len() as u64;
     let total: u64 = ["all_gather", "reduce_scatter", "all_reduce", "grad_norm"]
         .iter()
@@ -100,12 +120,7 @@ fn hsdp_sends_each_collective_over_its_group_as_the_formulas_say() {
     // The replica all-reduce's receive buffer is a tally row, and the tally holds the heap.
     let rows = r["tally"].as_array().unwrap();
     assert!(rows.iter().any(|row| row["category"] == "replica all-reduce receive buffer"), "{rows:?}");
-    for (p, t) in
-        r["measured_peak_bytes"].as_array().unwrap().iter().zip(std::iter::repeat(&r["tally_expected_peak_bytes"]))
-    {
-        let ratio = p.as_f64().unwrap() / t.as_f64().unwrap();
-        assert!((0.98..=1.02).contains(&ratio), "measured peak / tally = {ratio:.3}");
-    }
+    within_tally(&r);
 
     // `just tally`'s formula at the same N and S, in elements of Ψ (2.000 Ψ here:
     // 2 × 1/2 gathered, 1/2 reduce-scattered, 2 × 1/2 / 2 all-reduced), against the
@@ -147,6 +162,9 @@ fn bad_hsdp_values_get_one_line() {
     assert!(e.starts_with("error: --hsdp is not traced yet"), "{e}");
     let e = fails(L03, 4, &with(FAST, &["--hsdp", "-2"]), "hsdp-negative");
     assert!(e.contains("invalid value '-2' for '--hsdp <S>'"), "{e}");
+    // The heartbeat's knob (across machines), checked on every run like the others.
+    let e = fails_with_env(L03, 2, FAST, &[("FSDP_HEARTBEAT_TIMEOUT", "0.5")], "hsdp-heartbeat-knob");
+    assert!(e.starts_with("error: FSDP_HEARTBEAT_TIMEOUT=0.5: give the seconds of silence"), "{e}");
 }
 
 /// An HSDP run's checkpoint holds S shard files (written by the first shard

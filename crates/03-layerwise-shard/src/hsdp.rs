@@ -14,8 +14,14 @@ use anyhow::anyhow;
 use fsdp_comm::{Collective, ShardLayout, Traffic, World};
 use fsdp_harness::{Report, Session};
 
+/// `--hsdp S`, checked on every rank together: refused in one line where it cannot run.
+pub fn check(s: &Session, hsdp: Option<usize>) -> anyhow::Result<()> {
+    let refused = hsdp.and_then(|size| refusal(s, size));
+    fsdp_harness::edge::agree(s.world, refused.map_or(Ok(()), Err))
+}
+
 /// `--hsdp S`: why these S cannot run, in one line (None: they can).
-pub fn refusal(s: &Session, size: usize) -> Option<anyhow::Error> {
+fn refusal(s: &Session, size: usize) -> Option<anyhow::Error> {
     let n = s.world.size();
     let list = |keep: &dyn Fn(usize) -> bool| (1..=n).filter(|&d| keep(d)).map(|d| d.to_string()).collect::<Vec<_>>();
     Some(if size == 0 || !n.is_multiple_of(size) {

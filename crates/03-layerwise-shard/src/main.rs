@@ -81,9 +81,7 @@ fn main() -> ExitCode {
                 _ => Ok(()),
             },
         )?;
-        if let Some(size) = args.hsdp {
-            fsdp_harness::edge::agree(world, hsdp::refusal(&s, size).map_or(Ok(()), Err))?;
-        }
+        hsdp::check(&s, args.hsdp)?;
         if args.prefetch {
             // FSDP2's streams: a communication thread of its own, started on every rank together.
             s.start_stream()?;

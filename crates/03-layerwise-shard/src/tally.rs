@@ -28,7 +28,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         .add("AdamW m shards", shard, 4, &share)
         .add("AdamW v shards", shard, 4, &share)
         .add("grad shards (fp32)", shard, 4, "reduce-scattered, 1/N of every unit");
-    for (category, len, note) in receive_buffers(s, units) {
+    for (_, category, len, note) in receive_buffers(s, units) {
         k.add(category, len, 4, note);
     }
     s.data_tally(&mut k);

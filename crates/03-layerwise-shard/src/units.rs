@@ -301,11 +301,6 @@ impl FsdpUnit {
         }
     }
 
-    /// How the unit is held (its policy).
-    pub fn policy(&self) -> UnitPolicy {
-        self.policy
-    }
-
     /// AdamW on my shard, with the gradient scaled by `f` (the mean's 1/M
     /// already applied: [`update_all`]); a kept unsharded copy is then
     /// refreshed by an all-gather of the new weights.
@@ -440,31 +435,31 @@ pub fn largest_padded(units: &[FsdpUnit]) -> usize {
     units.iter().map(|u| u.layout().padded).max().unwrap_or(0)
 }
 
-/// The ordered reductions' receive buffers, as `(category, elements,
-/// note)`, kept from the first step on: the reduce-scatter's all-to-all
-/// input for the largest unit and, under HSDP, the replica all-reduce's,
-/// one shard long. What a tally counts and [`reserve_receive_buffers`] allocates.
-pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(&'static str, usize, &'static str)> {
+/// The ordered reductions' receive buffers, as `(group, category,
+/// elements, note)`, kept from the first step on: the reduce-scatter's
+/// all-to-all input for the largest unit and, under HSDP, the replica
+/// all-reduce's, one shard long. What a tally counts and
+/// [`reserve_receive_buffers`] allocates.
+pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(Group, &'static str, usize, &'static str)> {
     let (padded, shard) = (largest_padded(units), units.iter().map(|u| u.layout.shard_len).max().unwrap_or(0));
     let Some(s_size) = units[0].policy.hsdp else {
-        let len = s.receive_buffer_len(padded);
-        return len
-            .map(|l| ("all-to-all receive buffer", l, "the reduce-scatter's input from every rank, largest unit, kept"))
+        let note = "the reduce-scatter's input from every rank, largest unit, kept";
+        return s
+            .receive_buffer_len(padded)
+            .map(|l| (Group::World, "all-to-all receive buffer", l, note))
             .into_iter()
             .collect();
     };
     let (groups, replicas) = (s.sum_groups.per_rank(), s.world.size() / s_size);
     let mut v = vec![];
     if s_size > 1 || groups > 1 {
-        v.push((
-            "all-to-all receive buffer",
-            groups * padded,
-            "the reduce-scatter's input from my shard group, largest unit, kept",
-        ));
+        let note = "the reduce-scatter's input from my shard group, largest unit, kept";
+        v.push((Group::Shard, "all-to-all receive buffer", groups * padded, note));
     }
     if replicas > 1 {
         let len = shard.next_multiple_of(replicas); // padded to R equal parts
-        v.push(("replica all-reduce receive buffer", len, "my shard from every replica group, largest unit, kept"));
+        let note = "my shard from every replica group, largest unit, kept";
+        v.push((Group::Replica, "replica all-reduce receive buffer", len, note));
     }
     v
 }
@@ -476,10 +471,10 @@ pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit], on_stream: bool)
         return s.reserve_receive_buffer(largest_padded(units), on_stream);
     };
     let (w, mesh) = (s.world, s.world.mesh(size));
-    for (category, len, _) in receive_buffers(s, units) {
-        let (group, parts) = match category {
-            "replica all-reduce receive buffer" => (Group::Replica, mesh.replica.size()),
-            _ => (Group::Shard, s.sum_groups.per_rank() * size),
+    for (group, _, len, _) in receive_buffers(s, units) {
+        let parts = match group {
+            Group::Replica => mesh.replica.size(),
+            _ => s.sum_groups.per_rank() * size,
         };
         match (on_stream, group) {
             (true, g) => w.reserve_stream_receive_buffer_in(g, len, parts),

@@ -94,9 +94,7 @@ fn main() -> ExitCode {
                 _ => Ok(()),
             },
         )?;
-        if let Some(size) = args.hsdp {
-            fsdp_harness::edge::agree(world, hsdp::refusal(&s, size).map_or(Ok(()), Err))?;
-        }
+        hsdp::check(&s, args.hsdp)?;
         if args.prefetch || args.overlap_comm {
             // FSDP2's streams, DeepSpeed's overlap_comm: a communication thread of its own, on every rank.
             s.start_stream()?;

@@ -133,7 +133,7 @@ fn resident_kept(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
         .add("AdamW v shard", shard, 4, &share)
         .add("grad shard (fp32)", shard, 4, &share)
         .add(&format!("compute copy, resident ({dt})"), padded, e, "whole model, all-gathered after each update");
-    for (category, len, note) in receive_buffers(s, units) {
+    for (_, category, len, note) in receive_buffers(s, units) {
         t.add(category, len, 4, note);
     }
     s.data_tally(&mut t);

@@ -93,9 +93,12 @@ impl Comm {
         &self.nodes
     }
 
-    /// Of `bytes` sent equally to every other rank (each collective here
-    /// sends each peer the same share, directly), those addressed to ranks
-    /// on other nodes: what crosses between machines.
+    /// Of `bytes` sent equally to every other rank, those addressed to ranks
+    /// on other nodes: what crosses between machines if each peer gets its
+    /// share directly — as the all-to-all of the ordered reductions does, and
+    /// as Open MPI's recursive-doubling all-gather does in bytes. A model: a
+    /// ring all-gather would carry fewer across. The tests hold it to the
+    /// link's counter on 2 nodes × 2 ranks, fully sharded and under HSDP.
     fn remote_share(&self, bytes: usize) -> usize {
         let remote = self.nodes.iter().filter(|&&n| n != self.node()).count();
         if self.size > 1 { bytes * remote / (self.size - 1) } else { 0 }
@@ -435,6 +438,9 @@ impl Comm {
         let mut lens = vec![0u64; self.size];
         self.all_gather_untimed(&[values.len() as u64][..], &mut lens[..]);
         let most = lens.iter().copied().max().unwrap_or(0) as usize;
+        if most == 0 {
+            return vec![vec![]; self.size]; // nothing to send (MPI refuses zero-length buffers here)
+        }
         let mut mine = values.to_vec();
         mine.resize(most, T::default());
         let mut all = vec![T::default(); most * self.size];

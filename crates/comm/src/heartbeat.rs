@@ -51,6 +51,7 @@ const BEAT: u8 = b'.';
 const BYE: u8 = b'B';
 
 /// The connections of this rank: rank 0's to every other rank, another rank's to rank 0.
+/// `beat` holds the lock only while it reads and writes its beats, never while it reports.
 static PEERS: Mutex<Vec<(usize, TcpStream)>> = Mutex::new(Vec::new());
 static ENDING: AtomicBool = AtomicBool::new(false);
 static HOOK: OnceLock<fn(&str)> = OnceLock::new();
@@ -68,10 +69,10 @@ pub fn farewell() {
     if ENDING.swap(true, Ordering::SeqCst) {
         return;
     }
-    if let Ok(peers) = PEERS.try_lock() {
-        for (_, s) in peers.iter() {
-            let _ = (&*s).write_all(&[BYE]);
-        }
+    // The heartbeat thread holds the lock only while it reads (never while it reports).
+    let peers = PEERS.lock().unwrap_or_else(|p| p.into_inner());
+    for (_, s) in peers.iter() {
+        let _ = (&*s).write_all(&[BYE]);
     }
 }
 
@@ -90,62 +91,65 @@ pub fn timeout_from_env() -> Result<Option<Duration>, String> {
     }
 }
 
-/// Connects every rank to rank 0 (every rank calls, right after the world
-/// learns its nodes) and starts this rank's heartbeat thread. `names` are
-/// the ranks' host names; rank 0's must resolve on the others.
-pub(crate) fn start(world: &Comm, names: &[String], timeout: Duration) -> Result<(), String> {
+/// Connects every rank to rank 0 and starts this rank's heartbeat thread,
+/// all ranks together, right after the world learns its nodes. Rank 0's
+/// `FSDP_HEARTBEAT_TIMEOUT` decides for all (a variable mpirun did not pass
+/// to another machine must not split the ranks into two programs; an
+/// invalid one means the default here, and the lesson's knob check reports
+/// it). `names` are the ranks' host names; rank 0's must resolve on the
+/// others. A failure on any rank is every rank's error: the same line.
+pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), String> {
     let n = world.size();
-    match world.rank() {
-        0 => {
-            let listener = TcpListener::bind("0.0.0.0:0").map_err(|e| format!("the heartbeat cannot listen: {e}"))?;
-            let port = listener.local_addr().map_err(|e| e.to_string())?.port();
-            // Every rank learns the port, then connects; rank 0 accepts them all.
-            let mut all = vec![0u64; n];
-            world.all_gather_untimed(&[port as u64][..], &mut all[..]);
-            let deadline = Instant::now() + Duration::from_secs(30);
-            listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-            let mut peers = vec![];
-            while peers.len() < n - 1 {
-                match listener.accept() {
-                    Ok((mut s, _)) => {
-                        s.set_nonblocking(false).map_err(|e| e.to_string())?;
-                        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-                        let mut r = [0u8; 4];
-                        s.read_exact(&mut r)
-                            .map_err(|e| format!("the heartbeat: a rank connected but did not say who ({e})"))?;
-                        s.set_nonblocking(true).map_err(|e| e.to_string())?;
-                        peers.push((u32::from_le_bytes(r) as usize, s));
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
-                    Err(e) => {
-                        return Err(format!(
-                            "the heartbeat: {} of {} ranks connected to rank 0 ({e})",
-                            peers.len(),
-                            n - 1
-                        ));
-                    }
-                }
-            }
-            *PEERS.lock().expect("heartbeat peers") = peers;
-        }
-        _ => {
-            let mut all = vec![0u64; n];
-            world.all_gather_untimed(&[0u64][..], &mut all[..]);
-            let port = all[0] as u16;
-            let addr = (names[0].as_str(), port)
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| format!("the heartbeat: rank 0's host {} does not resolve here", names[0]))?;
-            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
-                .map_err(|e| format!("the heartbeat cannot reach rank 0 on {} ({e})", names[0]))?;
-            s.write_all(&(world.rank() as u32).to_le_bytes()).map_err(|e| e.to_string())?;
-            s.set_nonblocking(true).map_err(|e| e.to_string())?;
-            *PEERS.lock().expect("heartbeat peers") = vec![(0, s)];
-        }
+    let mine = timeout_from_env().unwrap_or(Some(DEFAULT_TIMEOUT)).map_or(0, |t| t.as_millis() as u64);
+    let listener = match world.rank() {
+        0 => Some(TcpListener::bind("0.0.0.0:0").and_then(|l| l.local_addr().map(|a| (l, a.port())))),
+        _ => None,
+    };
+    // Rank 0's timeout (0: off) and port (0: it could not listen), to every rank.
+    let port = match &listener {
+        Some(Ok((_, p))) => *p as u64,
+        _ => 0,
+    };
+    let mut all = vec![0u64; 2 * n];
+    world.all_gather_untimed(&[mine, port][..], &mut all[..]);
+    let (timeout, port) = (all[0], all[1] as u16);
+    if timeout == 0 {
+        return Ok(()); // off
     }
+    let timeout = Duration::from_millis(timeout);
+    // Every other rank connects and says who it is (rank 0 accepts once all have tried).
+    let connected: Result<Option<TcpStream>, String> = match (world.rank(), &listener) {
+        (0, Some(Ok(_))) => Ok(None),
+        (0, Some(Err(e))) => Err(format!("rank 0 cannot listen ({e})")),
+        _ if port == 0 => Ok(None), // rank 0 says why
+        _ => (names[0].as_str(), port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| format!("rank {}: rank 0's host {} does not resolve here", world.rank(), names[0]))
+            .and_then(|addr| {
+                TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+                    .and_then(|mut s| s.write_all(&(world.rank() as u32).to_le_bytes()).map(|_| s))
+                    .map(Some)
+                    .map_err(|e| format!("rank {} cannot reach rank 0 on {} ({e})", world.rank(), names[0]))
+            }),
+    };
+    let why = world.gather_varying(connected.as_ref().err().map_or(&[][..], |e| e.as_bytes()));
+    if let Some(e) = why.iter().find(|w| !w.is_empty()) {
+        return Err(format!(
+            "the heartbeat across machines: {}: let the ranks reach rank 0 over TCP, or run with FSDP_HEARTBEAT_TIMEOUT=0 (pass it to every rank: mpirun -x)",
+            String::from_utf8_lossy(e)
+        ));
+    }
+    let peers = match (connected, listener) {
+        (Ok(Some(s)), _) => vec![(0, s)],
+        (_, Some(Ok((l, _)))) => accept_all(&l, n)?,
+        _ => unreachable!("every rank connected, so rank 0 listens"),
+    };
+    for (_, s) in &peers {
+        s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    }
+    *PEERS.lock().unwrap_or_else(|p| p.into_inner()) = peers;
     let (rank, nodes) = (world.rank(), world.nodes().to_vec());
     let names = names.to_vec();
     std::thread::Builder::new()
@@ -155,9 +159,27 @@ pub(crate) fn start(world: &Comm, names: &[String], timeout: Duration) -> Result
     Ok(())
 }
 
+/// Rank 0: the other N − 1 ranks' connections, each rank once (they have all connected).
+fn accept_all(listener: &TcpListener, n: usize) -> Result<Vec<(usize, TcpStream)>, String> {
+    let mut peers: Vec<(usize, TcpStream)> = vec![];
+    while peers.len() < n - 1 {
+        let (mut s, _) = listener.accept().map_err(|e| format!("the heartbeat: rank 0 cannot accept ({e})"))?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+        let mut r = [0u8; 4];
+        s.read_exact(&mut r).map_err(|e| format!("the heartbeat: a rank connected but did not say who ({e})"))?;
+        let r = u32::from_le_bytes(r) as usize;
+        if r == 0 || r >= n || peers.iter().any(|(p, _)| *p == r) {
+            continue; // not one of ours, or twice: drop it
+        }
+        peers.push((r, s));
+    }
+    Ok(peers)
+}
+
 /// The heartbeat thread: sends a beat every [`INTERVAL`], reads what came.
 fn beat(rank: usize, timeout: Duration, nodes: &[usize], names: &[String]) {
-    let (start, mut last_beat) = (Instant::now(), Instant::now() - INTERVAL);
+    let start = Instant::now();
+    let (mut last_beat, mut last_loop) = (start - INTERVAL, start);
     let mut heard: Vec<(usize, Instant, bool)> = vec![]; // (rank, last heard, said farewell)
     let mut lost: Vec<(usize, &'static str)> = vec![];
     let mut first_loss: Option<Instant> = None;
@@ -166,16 +188,23 @@ fn beat(rank: usize, timeout: Duration, nodes: &[usize], names: &[String]) {
         if ENDING.load(Ordering::SeqCst) {
             return; // this rank ends, and said so
         }
+        let now = Instant::now();
         let mut peers = match PEERS.lock() {
             Ok(p) => p,
             Err(_) => return,
         };
         if heard.is_empty() {
-            heard = peers.iter().map(|(r, _)| (*r, start, false)).collect();
+            heard = peers.iter().map(|(r, _)| (*r, now, false)).collect();
         }
+        if now - last_loop > timeout / 2 {
+            // This process itself did not run for a while (stopped, suspended):
+            // the silence is ours, not the peers'.
+            heard.iter_mut().for_each(|h| h.1 = now);
+        }
+        last_loop = now;
         let beat_now = last_beat.elapsed() >= INTERVAL;
         if beat_now {
-            last_beat = Instant::now();
+            last_beat = now;
         }
         for (i, (r, s)) in peers.iter_mut().enumerate() {
             if heard[i].2 || lost.iter().any(|(l, _)| l == r) {
@@ -213,7 +242,7 @@ fn beat(rank: usize, timeout: Duration, nodes: &[usize], names: &[String]) {
         drop(peers);
         if rank != 0 {
             if heard.first().is_some_and(|h| h.2) {
-                return; // rank 0 ends the job normally
+                return; // rank 0 ends the job, normally or having said why
             }
             if !lost.is_empty() {
                 // Rank 0 is gone or out of reach: the job is over; end here too.
@@ -269,6 +298,7 @@ fn report(lost: &[(usize, &str)], nodes: &[usize], names: &[String], timeout: Du
             let _ = std::io::stderr().write_all(format!("error: {what}\n").as_bytes());
         }
     }
+    farewell(); // the ranks still in reach stop watching: the job's end is mpirun's now
     std::thread::sleep(GRACE); // mpirun, which lost the node's daemon too, ends the job meanwhile
     crate::world::abort_job(3)
 }

@@ -205,26 +205,27 @@ pub enum Op {
 
 impl Op {
     fn run(&mut self, comms: &mut Vec<Comm>, group: Group) {
-        if let Op::Split(size) = self {
-            let mesh = crate::world::Mesh::split(&comms[0], *size);
-            comms.extend([mesh.shard, mesh.replica]);
-            return;
-        }
-        if let Op::HsdpReduce { send, groups, mine, shard, part, rank_sum, mid } = self {
-            comms[Group::Shard as usize].reduce_scatter_packed(send, *groups, &mut mine[..*shard], *rank_sum);
-            *mid = Some(Instant::now());
-            return comms[Group::Replica as usize].all_reduce_packed(mine, 1, part, *rank_sum);
-        }
-        let c = &comms[group as usize];
+        let g = group as usize;
         match self {
-            Op::Empty | Op::Split(_) | Op::HsdpReduce { .. } => {}
-            Op::Reserve(len, parts) => c.reserve_receive_buffer(*len, *parts),
-            Op::GatherF32 { mine, all } => c.all_gather_untimed(&mine[..], &mut all[..]),
-            Op::GatherU16 { mine, all } => c.all_gather_untimed(&mine[..], &mut all[..]),
-            Op::ReduceScatter { send, groups, mine, rank_sum } => {
-                c.reduce_scatter_packed(send, *groups, mine, *rank_sum)
+            Op::Empty => {}
+            Op::Split(size) => {
+                let mesh = crate::world::Mesh::split(&comms[0], *size);
+                comms.extend([mesh.shard, mesh.replica]);
             }
-            Op::AllReduce { buf, groups, shard, rank_sum } => c.all_reduce_packed(buf, *groups, shard, *rank_sum),
+            Op::HsdpReduce { send, groups, mine, shard, part, rank_sum, mid } => {
+                comms[Group::Shard as usize].reduce_scatter_packed(send, *groups, &mut mine[..*shard], *rank_sum);
+                *mid = Some(Instant::now());
+                comms[Group::Replica as usize].all_reduce_packed(mine, 1, part, *rank_sum)
+            }
+            Op::Reserve(len, parts) => comms[g].reserve_receive_buffer(*len, *parts),
+            Op::GatherF32 { mine, all } => comms[g].all_gather_untimed(&mine[..], &mut all[..]),
+            Op::GatherU16 { mine, all } => comms[g].all_gather_untimed(&mine[..], &mut all[..]),
+            Op::ReduceScatter { send, groups, mine, rank_sum } => {
+                comms[g].reduce_scatter_packed(send, *groups, mine, *rank_sum)
+            }
+            Op::AllReduce { buf, groups, shard, rank_sum } => {
+                comms[g].all_reduce_packed(buf, *groups, shard, *rank_sum)
+            }
         }
     }
 }

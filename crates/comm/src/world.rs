@@ -25,6 +25,9 @@ pub enum CommError {
     NoThreads(Threading),
     #[error("{0}")]
     BadKnob(String),
+    /// The same line on every rank: only rank 0 prints it.
+    #[error("{0}")]
+    Heartbeat(String),
 }
 
 /// This process's place in the MPI world, and the collectives over it
@@ -81,12 +84,10 @@ impl World {
         let node = distinct.iter().position(|d| *d == names[comm.rank()].as_slice()).expect("my own name");
         let comm = comm.with_nodes(node);
         if distinct.len() > 1 {
-            // Across machines: a heartbeat to rank 0 (an invalid FSDP_HEARTBEAT_TIMEOUT
-            // is reported by the lesson's check of its knobs, right after).
+            // Across machines: a heartbeat to rank 0 (rank 0's FSDP_HEARTBEAT_TIMEOUT decides;
+            // an invalid one is reported by the lesson's check of its knobs, right after).
             let names: Vec<String> = names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect();
-            if let Some(timeout) = heartbeat::timeout_from_env().unwrap_or(Some(heartbeat::DEFAULT_TIMEOUT)) {
-                heartbeat::start(&comm, &names, timeout).map_err(CommError::BadKnob)?;
-            }
+            heartbeat::start(&comm, &names).map_err(CommError::Heartbeat)?;
         }
         Ok(Self { comm, stream: OnceCell::new(), threading, mesh: OnceCell::new(), _universe: universe })
     }
@@ -139,11 +140,13 @@ impl World {
             return Err(CommError::NoThreads(self.threading));
         }
         let policy = Policy::from_env().map_err(CommError::BadKnob)?;
-        let stream = self.stream.get_or_init(|| Stream::start(policy));
-        if let Some(mesh) = self.mesh.get() {
-            stream.split(mesh.shard.size()); // a mesh split before the stream: its groups too
-        }
-        Ok(stream)
+        Ok(self.stream.get_or_init(|| {
+            let stream = Stream::start(policy);
+            if let Some(mesh) = self.mesh.get() {
+                stream.split(mesh.shard.size()); // a mesh split before the stream: its groups too
+            }
+            stream
+        }))
     }
 
     /// The communication stream, if started.

@@ -90,7 +90,11 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
     let world = match World::init() {
         Ok(w) => w,
         Err(e) => {
-            say!("error: {e}");
+            // An error every rank got alike is rank 0's to print.
+            let root = std::env::var("OMPI_COMM_WORLD_RANK").map_or(true, |r| r == "0");
+            if root || !matches!(e, fsdp_comm::CommError::Heartbeat(_)) {
+                say!("error: {e}");
+            }
             return ExitCode::from(2);
         }
     };

@@ -271,12 +271,8 @@ impl<'w> Session<'w> {
 
     /// Bytes one rank sends per step for `--grad-clip` when the gradient is
     /// sharded: its exact sum to N − 1 ranks (`None` without the flag).
-    pub fn clip_traffic(&self) -> Option<u64> {
-        self.clip_traffic_over(self.world.size())
-    }
-
-    /// The same, when the gradient is sharded over `ranks` ranks (a shard
-    /// group of that size under HSDP: the replicas hold the same shards).
+    /// `ranks`: those the gradient is sharded over (the world, or a shard
+    /// group under HSDP: the replicas hold the same shards).
     pub fn clip_traffic_over(&self, ranks: usize) -> Option<u64> {
         self.args.grad_clip.map(|_| ((ranks - 1) * ExactSquares::WORDS * 8) as u64)
     }
