@@ -279,9 +279,9 @@ impl Drop for Job {
     fn drop(&mut self) {
         if self.0.try_wait().ok().flatten().is_none() {
             for rank in children(self.0.id()) {
-                let _ = Command::new("kill").args(["-KILL", &rank.to_string()]).status();
+                signal(rank as i32, SIGKILL);
             }
-            let _ = Command::new("kill").args(["-KILL", &format!("-{}", self.0.id())]).status();
+            signal(-(self.0.id() as i32), SIGKILL); // the group: mpirun and what it started
             let _ = self.0.wait();
         }
     }
@@ -340,7 +340,7 @@ fn a_rank_killed_mid_run_ends_the_job_and_the_last_checkpoint_resumes_exactly() 
     }
     let ranks = children(job.0.id());
     assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
-    Command::new("kill").args(["-KILL", &rank_pid(&ranks, 1).to_string()]).status().unwrap();
+    assert!(signal(rank_pid(&ranks, 1) as i32, SIGKILL));
     let (o, took) = wait_at_most(&mut job, Duration::from_secs(30));
     assert!(!o.status.success(), "a job with a killed rank must fail");
     eprintln!("SIGKILL of rank 1: the job ended {took:?} later");
@@ -387,7 +387,7 @@ fn sigterm_to_mpirun_finishes_the_step_saves_and_the_checkpoint_resumes_exactly(
     );
     std::thread::sleep(Duration::from_secs(3)); // a few steps in, no checkpoint yet
     assert!(!ck.join("latest").exists() && job.0.try_wait().unwrap().is_none());
-    Command::new("kill").args(["-TERM", &job.0.id().to_string()]).status().unwrap();
+    assert!(signal(job.0.id() as i32, SIGTERM));
     let (o, took) = wait_at_most(&mut job, Duration::from_secs(30));
     let (code, lines) = failure(&o);
     assert_ne!(code, 0, "a stopped job exits non-zero");
@@ -455,7 +455,7 @@ fn sigint_without_ckpt_ends_after_the_step_with_one_line_and_writes_nothing() {
     let mut job = Job(cmd.spawn().unwrap());
     std::thread::sleep(Duration::from_secs(3));
     let t0 = Instant::now();
-    Command::new("kill").args(["-INT", &job.0.id().to_string()]).status().unwrap();
+    assert!(signal(job.0.id() as i32, SIGINT));
     let took = ranks_gone_after(&job, t0);
     let (o, _) = wait_at_most(&mut job, Duration::from_secs(30));
     let (code, lines) = failure(&o);
@@ -484,7 +484,7 @@ fn sigint_without_ckpt_ends_after_the_step_with_one_line_and_writes_nothing() {
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_secs(2));
-    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(signal(child.id() as i32, SIGTERM));
     let o = child.wait_with_output().unwrap();
     let (code, lines) = failure(&o);
     assert_eq!(code, 128 + 15, "{lines:?}");
@@ -548,6 +548,23 @@ fn a_save_that_fails_on_a_full_disk_frees_its_space_and_keeps_the_last_checkpoin
 unsafe extern "C" {
     #[link_name = "geteuid"]
     fn libc_geteuid() -> u32;
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+const SIGINT: i32 = 2;
+const SIGKILL: i32 = 9;
+const SIGTERM: i32 = 15;
+
+/// kill(2), straight: `pid` < 0 is a process group. Not the `kill` program:
+/// procps-ng 4.0.2's reads a negative pid by its first digit alone —
+/// `kill -KILL -424242` calls kill(-4, SIGKILL) (strace) — so a group whose
+/// id starts with 1 became kill(-1): every process on the machine, the CI
+/// runner with them (seen with ftrace's signal_generate). Whether it was sent.
+fn signal(pid: i32, sig: i32) -> bool {
+    assert!(pid != 0 && pid != -1, "signal({pid}): not a process or group of ours");
+    // SAFETY: kill(2) with a pid of one of our children or their group.
+    unsafe { libc_kill(pid, sig) == 0 }
 }
 
 #[test]
