@@ -42,9 +42,12 @@ fn on_cluster(id: &str, slots: usize, script: &str, ck: &Path, out: &Path) -> Ou
 /// Training in the background on the cluster's 2 nodes × 1 rank, with a
 /// checkpoint every 2 steps; once step 4's is committed, `fault` runs (it
 /// sees `$pid`, mpirun's); then the script waits for mpirun and prints
-/// `ended rc=… after=…` (seconds since the fault) and, a moment later, the
-/// lessons' processes left on either node.
+/// `ended rc=… after=…` (seconds since the fault) and, a moment later (after
+/// a dead link, once the far rank's own timeout has passed), the lessons'
+/// processes left on either node.
 fn faulted(fault: &str) -> String {
+    // Behind a dead link the far rank ends on its own, on the heartbeat's timeout (5 s).
+    let wait = if fault.contains("link") { "sleep 6" } else { "sleep 1" };
     format!(
         r#"
 mpirun -q --hostfile $FSDP_CLUSTER/hosts -n 2 -x RAYON_NUM_THREADS=1 $BIN/step03-layerwise-shard \
@@ -56,7 +59,7 @@ t0=$(date +%s.%N)
 {fault}
 rc=0; wait $pid || rc=$?
 echo "ended rc=$rc after=$(echo "$(date +%s.%N) - $t0" | bc)"
-sleep 6  # the far node's ranks end on their own (the heartbeat's timeout, 5 s)
+{wait}
 echo "left=$(pgrep -c -f -- "--out $OUT" || true)"
 "#
     )
@@ -74,12 +77,15 @@ fn ended(o: &Output) -> (i32, Duration, usize) {
     (field("rc=").parse().unwrap(), Duration::from_secs_f64(field("after=").parse().unwrap()), left)
 }
 
-/// The job's error lines (stderr without its progress lines).
+/// The job's error lines: stderr without its progress lines, and without
+/// Open MPI's own transport messages (`[node1][…] … writev failed: Broken
+/// pipe`), which it prints when a rank happened to be sending to the node
+/// that died — the lessons' line is the one that names what happened.
 fn errors(out: &Path) -> Vec<String> {
     std::fs::read_to_string(out.join("stderr.txt"))
         .unwrap()
         .lines()
-        .filter(|l| !l.trim().is_empty() && !l.starts_with("step "))
+        .filter(|l| !l.trim().is_empty() && !l.starts_with("step ") && !l.starts_with("[node"))
         .map(str::to_string)
         .collect()
 }

@@ -49,6 +49,10 @@ pub const GRACE: Duration = Duration::from_secs(60);
 const BEAT: u8 = b'.';
 /// "I end, and that is no loss": the job's end, or my own error, already reported.
 const BYE: u8 = b'B';
+/// From rank 0: "I reported a lost node; mpirun ends the job now" — a rank
+/// in reach stops watching, and ends itself if the job has not ended
+/// [`GRACE`] (and a margin) later.
+const LOST: u8 = b'L';
 
 /// The connections of this rank: rank 0's to every other rank, another rank's to rank 0.
 /// `beat` holds the lock only while it reads and writes its beats, never while it reports.
@@ -83,9 +87,9 @@ pub fn timeout_from_env() -> Result<Option<Duration>, String> {
         Err(_) => Ok(Some(DEFAULT_TIMEOUT)),
         Ok(v) => match v.trim().parse::<f64>() {
             Ok(0.0) => Ok(None),
-            Ok(s) if s.is_finite() && s >= 1.0 => Ok(Some(Duration::from_secs_f64(s))),
+            Ok(s) if (1.0..=1e6).contains(&s) => Ok(Some(Duration::from_secs_f64(s))),
             _ => Err(format!(
-                "FSDP_HEARTBEAT_TIMEOUT={v}: give the seconds of silence after which a rank on another node counts as lost (1 or more, e.g. 5), 0 to turn the heartbeat off, or unset it"
+                "FSDP_HEARTBEAT_TIMEOUT={v}: give the seconds of silence after which a rank on another node counts as lost (1 to 1000000, e.g. 5), 0 to turn the heartbeat off, or unset it"
             )),
         },
     }
@@ -109,6 +113,16 @@ pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), String> {
     let port = match &listener {
         Some(Ok((_, p))) => *p as u64,
         _ => 0,
+    };
+    // Rank 0 accepts while the others connect, on a thread of its own: a listen
+    // queue holds 128, so waiting until all have tried would refuse the rest.
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let acceptor = match &listener {
+        Some(Ok((l, _))) if mine > 0 => {
+            let (l, stop) = (l.try_clone().map_err(|e| e.to_string())?, stop.clone());
+            Some(std::thread::spawn(move || accept_all(&l, n, &stop)))
+        }
+        _ => None,
     };
     let mut all = vec![0u64; 2 * n];
     world.all_gather_untimed(&[mine, port][..], &mut all[..]);
@@ -136,18 +150,22 @@ pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), String> {
     };
     let why = world.gather_varying(connected.as_ref().err().map_or(&[][..], |e| e.as_bytes()));
     if let Some(e) = why.iter().find(|w| !w.is_empty()) {
+        stop.store(true, Ordering::SeqCst);
+        if let Some(a) = acceptor {
+            let _ = a.join();
+        }
         return Err(format!(
             "the heartbeat across machines: {}: let the ranks reach rank 0 over TCP, or run with FSDP_HEARTBEAT_TIMEOUT=0 (pass it to every rank: mpirun -x)",
             String::from_utf8_lossy(e)
         ));
     }
-    let peers = match (connected, listener) {
+    let peers = match (connected, acceptor) {
         (Ok(Some(s)), _) => vec![(0, s)],
-        (_, Some(Ok((l, _)))) => accept_all(&l, n)?,
+        (_, Some(a)) => a.join().map_err(|_| "the heartbeat's acceptor panicked".to_string())??,
         _ => unreachable!("every rank connected, so rank 0 listens"),
     };
     for (_, s) in &peers {
-        s.set_nonblocking(true).map_err(|e| e.to_string())?;
+        s.set_nonblocking(true).map_err(|e| format!("{LOCAL}rank {}: the heartbeat: {e}", world.rank()))?;
     }
     *PEERS.lock().unwrap_or_else(|p| p.into_inner()) = peers;
     let (rank, nodes) = (world.rank(), world.nodes().to_vec());
@@ -155,20 +173,41 @@ pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), String> {
     std::thread::Builder::new()
         .name("fsdp-heartbeat".into())
         .spawn(move || beat(rank, timeout, &nodes, &names))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| format!("{LOCAL}rank {rank}: the heartbeat's thread: {e}"))?;
     Ok(())
 }
 
-/// Rank 0: the other N − 1 ranks' connections, each rank once (they have all connected).
-fn accept_all(listener: &TcpListener, n: usize) -> Result<Vec<(usize, TcpStream)>, String> {
+/// Marks an error of this rank alone (not agreed): every rank that has one prints it.
+pub(crate) const LOCAL: &str = "\u{1}";
+
+/// Rank 0: the other N − 1 ranks' connections, each rank once, as they
+/// come; gives up when `stop` is set (another rank could not connect) or
+/// after a minute. A connection that does not say which rank it is, or says
+/// one already heard, is dropped.
+fn accept_all(listener: &TcpListener, n: usize, stop: &AtomicBool) -> Result<Vec<(usize, TcpStream)>, String> {
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(60);
     let mut peers: Vec<(usize, TcpStream)> = vec![];
     while peers.len() < n - 1 {
-        let (mut s, _) = listener.accept().map_err(|e| format!("the heartbeat: rank 0 cannot accept ({e})"))?;
-        s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+        let mut s = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if stop.load(Ordering::SeqCst) || Instant::now() > deadline {
+                    let (got, want) = (peers.len(), n - 1);
+                    return Err(format!("the heartbeat: {got} of {want} ranks connected to rank 0 in time"));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            Err(e) => return Err(format!("the heartbeat: rank 0 cannot accept ({e})")),
+        };
         let mut r = [0u8; 4];
-        s.read_exact(&mut r).map_err(|e| format!("the heartbeat: a rank connected but did not say who ({e})"))?;
+        let said = s
+            .set_nonblocking(false)
+            .and_then(|_| s.set_read_timeout(Some(Duration::from_secs(10))))
+            .and_then(|_| s.read_exact(&mut r));
         let r = u32::from_le_bytes(r) as usize;
-        if r == 0 || r >= n || peers.iter().any(|(p, _)| *p == r) {
+        if said.is_err() || r == 0 || r >= n || peers.iter().any(|(p, _)| *p == r) {
             continue; // not one of ours, or twice: drop it
         }
         peers.push((r, s));
@@ -180,6 +219,7 @@ fn accept_all(listener: &TcpListener, n: usize) -> Result<Vec<(usize, TcpStream)
 fn beat(rank: usize, timeout: Duration, nodes: &[usize], names: &[String]) {
     let start = Instant::now();
     let (mut last_beat, mut last_loop) = (start - INTERVAL, start);
+    let mut told_lost: Option<Instant> = None; // rank 0 reported a loss (the others)
     let mut heard: Vec<(usize, Instant, bool)> = vec![]; // (rank, last heard, said farewell)
     let mut lost: Vec<(usize, &'static str)> = vec![];
     let mut first_loss: Option<Instant> = None;
@@ -222,6 +262,9 @@ fn beat(rank: usize, timeout: Duration, nodes: &[usize], names: &[String]) {
                     }
                     Ok(k) => {
                         heard[i].1 = Instant::now();
+                        if buf[..k].contains(&LOST) {
+                            told_lost.get_or_insert_with(Instant::now);
+                        }
                         if buf[..k].contains(&BYE) {
                             heard[i].2 = true;
                             break;
@@ -243,6 +286,15 @@ fn beat(rank: usize, timeout: Duration, nodes: &[usize], names: &[String]) {
         if rank != 0 {
             if heard.first().is_some_and(|h| h.2) {
                 return; // rank 0 ends the job, normally or having said why
+            }
+            if let Some(t) = told_lost {
+                // Rank 0 reported a loss: mpirun ends the job; if it has not a while after
+                // rank 0's own last resort, this rank must not outlive it.
+                if t.elapsed() > GRACE + Duration::from_secs(10) {
+                    // SAFETY: _exit ends this process; nothing is left to run.
+                    unsafe { libc::_exit(3) }
+                }
+                continue;
             }
             if !lost.is_empty() {
                 // Rank 0 is gone or out of reach: the job is over; end here too.
@@ -298,7 +350,11 @@ fn report(lost: &[(usize, &str)], nodes: &[usize], names: &[String], timeout: Du
             let _ = std::io::stderr().write_all(format!("error: {what}\n").as_bytes());
         }
     }
-    farewell(); // the ranks still in reach stop watching: the job's end is mpirun's now
+    // The ranks still in reach stop watching: the job's end is mpirun's now.
+    ENDING.store(true, Ordering::SeqCst);
+    for (_, s) in PEERS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = (&*s).write_all(&[LOST]);
+    }
     std::thread::sleep(GRACE); // mpirun, which lost the node's daemon too, ends the job meanwhile
     crate::world::abort_job(3)
 }

@@ -87,7 +87,10 @@ impl World {
             // Across machines: a heartbeat to rank 0 (rank 0's FSDP_HEARTBEAT_TIMEOUT decides;
             // an invalid one is reported by the lesson's check of its knobs, right after).
             let names: Vec<String> = names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect();
-            heartbeat::start(&comm, &names).map_err(CommError::Heartbeat)?;
+            heartbeat::start(&comm, &names).map_err(|e| match e.strip_prefix(heartbeat::LOCAL) {
+                Some(mine) => CommError::BadKnob(mine.to_string()), // this rank's alone
+                None => CommError::Heartbeat(e),                    // every rank's, alike
+            })?;
         }
         Ok(Self { comm, stream: OnceCell::new(), threading, mesh: OnceCell::new(), _universe: universe })
     }
