@@ -87,12 +87,13 @@ pub fn report_traffic(report: &mut Report, s: &Session, units: &[ShardLayout], s
     let (n, size) = (s.world.size(), units[0].world);
     let all_reduce = sent.mesh.is_some().then(|| all_reduce_bytes(units, n / size));
     let clip = s.clip_traffic_over(size);
+    report
+        .expect_traffic(Collective::AllGather, gather)
+        .expect_traffic(Collective::ReduceScatter, scatter)
+        .expect_traffic_if(Collective::AllReduce, all_reduce)
+        .expect_traffic_if(Collective::GradNorm, clip);
     let Some((shard, replica)) = sent.mesh else {
         report.traffic(sent.world);
-        report
-            .expect_traffic(Collective::AllGather, gather)
-            .expect_traffic(Collective::ReduceScatter, scatter)
-            .expect_traffic_if(Collective::GradNorm, clip);
         return;
     };
     let mut in_group = vec![(Collective::AllGather, gather), (Collective::ReduceScatter, scatter)];
@@ -104,9 +105,5 @@ pub fn report_traffic(report: &mut Report, s: &Session, units: &[ShardLayout], s
             format!("replica group ({} ranks)", n / size),
             replica,
             all_reduce.map(|b| (Collective::AllReduce, b)).into_iter().collect(),
-        )
-        .expect_traffic(Collective::AllGather, gather)
-        .expect_traffic(Collective::ReduceScatter, scatter)
-        .expect_traffic_if(Collective::AllReduce, all_reduce)
-        .expect_traffic_if(Collective::GradNorm, clip);
+        );
 }

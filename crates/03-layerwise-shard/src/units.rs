@@ -285,9 +285,8 @@ impl FsdpUnit {
         let shard = std::mem::take(&mut self.grad); // its buffer travels with the sums
         let name = &self.name;
         let pending = match self.policy.hsdp {
-            // HSDP: the reduce-scatter and the replica all-reduce, one op on the stream
-            // (its own shard buffer, padded for the all-reduce: this one goes).
-            Some(_) => w.hsdp_reduce_async(grads, self.layout.shard_len),
+            // HSDP: the reduce-scatter and the replica all-reduce, one op on the stream.
+            Some(_) => w.hsdp_reduce_async(grads, shard),
             None => w.reduce_scatter_sum_async(grads, shard),
         };
         self.reducing = Some(pending.label(w, || format!("reduce_scatter {name}")));

@@ -73,10 +73,14 @@ pub fn farewell() {
     if ENDING.swap(true, Ordering::SeqCst) {
         return;
     }
-    // The heartbeat thread holds the lock only while it reads (never while it reports).
-    let peers = PEERS.lock().unwrap_or_else(|p| p.into_inner());
-    for (_, s) in peers.iter() {
-        let _ = (&*s).write_all(&[BYE]);
+    tell(BYE);
+}
+
+/// Writes `byte` to every peer (the heartbeat thread holds the lock only
+/// while it reads, never while it reports).
+fn tell(byte: u8) {
+    for (_, s) in PEERS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = (&*s).write_all(&[byte]);
     }
 }
 
@@ -352,9 +356,7 @@ fn report(lost: &[(usize, &str)], nodes: &[usize], names: &[String], timeout: Du
     }
     // The ranks still in reach stop watching: the job's end is mpirun's now.
     ENDING.store(true, Ordering::SeqCst);
-    for (_, s) in PEERS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-        let _ = (&*s).write_all(&[LOST]);
-    }
+    tell(LOST);
     std::thread::sleep(GRACE); // mpirun, which lost the node's daemon too, ends the job meanwhile
     crate::world::abort_job(3)
 }

@@ -199,13 +199,16 @@ impl World {
     /// buffers travel with it, `grads` is left empty): the reduce-scatter in
     /// my shard group, then the all-reduce of my `shard`-long part across my
     /// replica group, in one op — the bits of the blocking pair. Its buffers
-    /// are made here, on the compute thread.
-    pub fn hsdp_reduce_async(&self, grads: &mut MicroBatchSum, shard: usize) -> Pending<Vec<f32>> {
+    /// are made here, on the compute thread: `mine` is my shard's buffer,
+    /// grown to R equal parts (its capacity stays so: the result is cut back
+    /// to its length, so from the second step on nothing is allocated for it).
+    pub fn hsdp_reduce_async(&self, grads: &mut MicroBatchSum, mut mine: Vec<f32>) -> Pending<Vec<f32>> {
         let mesh = self.mesh.get().expect("the mesh is split first (World::mesh)");
+        let shard = mine.len();
         let (send, groups) = packed(grads.take_sums(), mesh.shard.size(), shard);
         let r = mesh.replica.size();
-        let padded = shard.next_multiple_of(r); // R equal parts for the all-reduce
-        let (mine, part) = (vec![0.0; padded], vec![0.0; padded / r]);
+        mine.resize(shard.next_multiple_of(r), 0.0); // R equal parts for the all-reduce, zeros past my shard
+        let part = vec![0.0; mine.len() / r];
         self.started().hsdp_reduce((&mesh.shard, &mesh.replica), send, groups, mine, shard, part)
     }
 
