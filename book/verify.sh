@@ -118,16 +118,16 @@ echo "== 2. every command in the book"
 # take four minutes).
 declare -A ran=()
 if [[ " $parts " == *" listings "* ]]; then
-    ran["just zero-memory"]=04-zero-memory.txt ran["just fits"]=04-fits.txt
-    ran["just reshard 03 2 4"]=appendix-reshard.txt
+    ran["just zero-memory"]="ran above for 04-zero-memory.txt" ran["just fits"]="ran above for 04-fits.txt"
+    ran["just reshard 03 2 4"]="ran above for appendix-reshard.txt"
 fi
 while IFS= read -r line; do
     cmd=${line#\$ }
     cmd=${cmd%%#*}                     # drop the trailing comment
     cmd=$(echo "$cmd" | sed -E 's/[[:space:]]+$//')
     commands=$((commands + 1))
-    if [ -n "${ran[$cmd]:-}" ]; then echo "✓ $cmd (ran above: ${ran[$cmd]})"; continue; fi
-    ran["$cmd"]="the same command, above"
+    if [ -n "${ran[$cmd]:-}" ]; then echo "✓ $cmd (${ran[$cmd]})"; continue; fi
+    ran["$cmd"]="shown again: ran above"
     log="$scratch/cmd-$commands.log"
     # An exercise's command fails on its stub (what a learner meets first);
     # once the learner has written it, it must pass like any other.
