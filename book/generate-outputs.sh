@@ -59,7 +59,7 @@ samples getting-started-sample 100 02-two-ranks 02-whole-model-shard ""
     done
 } > "$gen/02-recompute.txt"
 echo "· 02-recompute"
-if [ "$timings" = 1 ]; then
+if [ "$timings" != 0 ]; then
 # What recompute costs in time: the same runs with and without --recompute,
 # alternated, three pairs, on this machine now; each run's median step.
 python3 - "$gen/02-recompute-time.txt" <<'PY'
@@ -128,7 +128,7 @@ just fits 2>/dev/null > "$gen/04-fits.txt"
 echo "· 04-zero-memory"
 just zero-memory 2>/dev/null | grep -v '^wrote' > "$gen/04-zero-memory.txt"
 cp out/zero-memory/zero_memory.svg "$gen/04-zero-memory.svg"
-if [ "$timings" = 1 ]; then
+if [ "$timings" != 0 ]; then
 # What bf16 costs on a CPU: candle widens bf16 matmuls to f32.
 {
     for cmd in "step01-data-parallel --precision fp32" "step01-data-parallel --precision bf16" \

@@ -52,10 +52,10 @@ pub fn mpirun_command(package: &str, ranks: usize, args: &[&str], name: &str) ->
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("RAYON_NUM_THREADS", "1")
         // Open MPI's own teardown interval, not the justfile's 3 s: when a
-        // rank exits non-zero, mpirun signals the ranks it has not yet seen
-        // end and sleeps this long before SIGKILL, even if they were ending
-        // anyway — a refused run takes 1.5 s instead of 5.8. The tests that
-        // stop a run with a signal and need time to save set their own.
+        // rank exits non-zero, mpirun sends the ranks it has not yet seen end
+        // SIGTERM after this interval and SIGKILL one interval later, even if
+        // they were ending anyway — a refused run takes 1.5 s instead of 5.8.
+        // The tests that stop a run with a signal and need time to save set their own.
         .env("OMPI_MCA_odls_base_sigkill_timeout", "1")
         .env("TMPDIR", &tmp);
     if !args.contains(&"--out") {

@@ -78,12 +78,14 @@ fn the_tally_explains_the_measured_peak_with_communication_overlapped() {
 /// Each run at 1, 2 and 4 ranks and two shapes: one step of the lessons'
 /// default micro-batches (the kept buffers exist from the first step on),
 /// and three steps of many small ones (the steady state, where the gradient
-/// sums weigh most).
+/// sums weigh most); at 2 ranks also two steps of the default ones (the
+/// steady state where the activations weigh most).
 fn tally_explains_the_peak(runs: &[(&str, &[&str])]) {
     let mut failures = vec![];
     for (pkg, extra) in runs {
         for n in [1, 2, 4] {
-            for shape in [&["--steps", "1"][..], FAST] {
+            let two_steps: &[&[&str]] = if n == 2 { &[&["--steps", "2"]] } else { &[] };
+            for &shape in [&["--steps", "1"][..], FAST].iter().chain(two_steps) {
                 let mut args = shape.to_vec();
                 args.extend_from_slice(extra);
                 let name = format!("mem-{pkg}-{n}-{}-{}", shape.join(""), extra.join(""));
