@@ -548,23 +548,6 @@ fn a_save_that_fails_on_a_full_disk_frees_its_space_and_keeps_the_last_checkpoin
 unsafe extern "C" {
     #[link_name = "geteuid"]
     fn libc_geteuid() -> u32;
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
-}
-
-const SIGINT: i32 = 2;
-const SIGKILL: i32 = 9;
-const SIGTERM: i32 = 15;
-
-/// kill(2), straight: `pid` < 0 is a process group. Not the `kill` program:
-/// procps-ng 4.0.2's reads a negative pid by its first digit alone —
-/// `kill -KILL -424242` calls kill(-4, SIGKILL) (strace) — so a group whose
-/// id starts with 1 became kill(-1): every process on the machine, the CI
-/// runner with them (seen with ftrace's signal_generate). Whether it was sent.
-fn signal(pid: i32, sig: i32) -> bool {
-    assert!(pid != 0 && pid != -1, "signal({pid}): not a process or group of ours");
-    // SAFETY: kill(2) with a pid of one of our children or their group.
-    unsafe { libc_kill(pid, sig) == 0 }
 }
 
 #[test]

@@ -157,3 +157,29 @@ pub fn fails_with_env(package: &str, ranks: usize, args: &[&str], env: &[(&str, 
     assert!(left.is_empty(), "{name}: a failed run left files in its --out folder: {left:?}");
     lines[0].clone()
 }
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+pub const SIGINT: i32 = 2;
+pub const SIGKILL: i32 = 9;
+pub const SIGTERM: i32 = 15;
+
+/// kill(2), straight: `pid` < 0 is a process group. Not the `kill` program:
+/// procps-ng 4.0.2's reads a negative pid by its first digit alone —
+/// `kill -KILL -424242` calls kill(-4, SIGKILL) (strace) — so a group whose
+/// id starts with 1 became kill(-1): every process on the machine, the CI
+/// runner with them (seen with ftrace's signal_generate). Whether it was sent.
+pub fn signal(pid: i32, sig: i32) -> bool {
+    assert!(pid != 0 && pid != -1, "signal({pid}): not a process or group of ours");
+    // SAFETY: kill(2) with a pid of one of our children or their group.
+    unsafe { libc_kill(pid, sig) == 0 }
+}
+
+/// Every rank's measured peak heap over the tally's peak, from a report.
+pub fn tally_ratios(r: &serde_json::Value) -> Vec<f64> {
+    let expected = r["tally_expected_peak_bytes"].as_f64().unwrap();
+    r["measured_peak_bytes"].as_array().unwrap().iter().map(|p| p.as_f64().unwrap() / expected).collect()
+}

@@ -270,11 +270,6 @@ fn bf16_edges() {
     }
 }
 
-unsafe extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
-}
-
 /// Runs `cmd`, killing it after `secs` seconds (a hung collective).
 fn with_timeout(mut cmd: std::process::Command, secs: u64) -> std::process::Output {
     use std::io::Read;
@@ -303,8 +298,7 @@ fn with_timeout(mut cmd: std::process::Command, secs: u64) -> std::process::Outp
         if start.elapsed().as_secs() > secs {
             // SIGTERM: mpirun passes it on to the ranks, then SIGKILLs them
             // (OMPI_MCA_odls_base_sigkill_timeout apart); give it the time.
-            // SAFETY: kill(2) on our own child, by its pid.
-            unsafe { libc_kill(child.id() as i32, 15) };
+            signal(child.id() as i32, SIGTERM);
             for _ in 0..300 {
                 if child.try_wait().unwrap().is_some() {
                     break;

@@ -2,13 +2,6 @@
 //! heap the counting allocator measures, on every rank.
 use crate::common::*;
 
-/// measured / tally on every rank, from a report.
-fn ratios(out: &std::path::Path) -> Vec<f64> {
-    let r = report(out);
-    let expected = r["tally_expected_peak_bytes"].as_f64().unwrap();
-    r["measured_peak_bytes"].as_array().unwrap().iter().map(|p| p.as_f64().unwrap() / expected).collect()
-}
-
 /// The tally's peak (kept state + the step's busiest moment, diagnostics
 /// included) is within 2% of the measured peak heap: for every lesson and
 /// ZeRO stage, fp32 and bf16, at 1, 2 and 4 ranks on the tiny preset, and
@@ -91,7 +84,7 @@ fn tally_explains_the_peak(runs: &[(&str, &[&str])]) {
                 let name = format!("mem-{pkg}-{n}-{}-{}", shape.join(""), extra.join(""));
                 let (o, out) = mpirun(pkg, n, &args, &name);
                 ok_stdout(&o);
-                let r = ratios(&out);
+                let r = tally_ratios(&report(&out));
                 if r.iter().any(|x| !(0.98..=1.02).contains(x)) {
                     failures.push(format!("{pkg} {} at {n} ranks: measured / tally = {r:.3?}", args.join(" ")));
                 }

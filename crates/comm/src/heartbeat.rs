@@ -37,6 +37,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::comm::Comm;
+use crate::world::CommError;
 
 /// Between two heartbeats.
 pub const INTERVAL: Duration = Duration::from_millis(250);
@@ -105,8 +106,9 @@ pub fn timeout_from_env() -> Result<Option<Duration>, String> {
 /// to another machine must not split the ranks into two programs; an
 /// invalid one means the default here, and the lesson's knob check reports
 /// it). `names` are the ranks' host names; rank 0's must resolve on the
-/// others. A failure on any rank is every rank's error: the same line.
-pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), String> {
+/// others. A failure on any rank is every rank's error, the same line
+/// ([`CommError::Heartbeat`]); one after the ranks agreed is this rank's alone.
+pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), CommError> {
     let n = world.size();
     let mine = timeout_from_env().unwrap_or(Some(DEFAULT_TIMEOUT)).map_or(0, |t| t.as_millis() as u64);
     let listener = match world.rank() {
@@ -123,7 +125,7 @@ pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), String> {
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     let acceptor = match &listener {
         Some(Ok((l, _))) if mine > 0 => {
-            let (l, stop) = (l.try_clone().map_err(|e| e.to_string())?, stop.clone());
+            let (l, stop) = (l.try_clone().map_err(|e| CommError::Heartbeat(e.to_string()))?, stop.clone());
             Some(std::thread::spawn(move || accept_all(&l, n, &stop)))
         }
         _ => None,
@@ -158,18 +160,22 @@ pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), String> {
         if let Some(a) = acceptor {
             let _ = a.join();
         }
-        return Err(format!(
+        return Err(CommError::Heartbeat(format!(
             "the heartbeat across machines: {}: let the ranks reach rank 0 over TCP, or run with FSDP_HEARTBEAT_TIMEOUT=0 (pass it to every rank: mpirun -x)",
             String::from_utf8_lossy(e)
-        ));
+        )));
     }
     let peers = match (connected, acceptor) {
         (Ok(Some(s)), _) => vec![(0, s)],
-        (_, Some(a)) => a.join().map_err(|_| "the heartbeat's acceptor panicked".to_string())??,
+        (_, Some(a)) => a
+            .join()
+            .unwrap_or_else(|_| Err("the heartbeat's acceptor panicked".into()))
+            .map_err(CommError::Heartbeat)?,
         _ => unreachable!("every rank connected, so rank 0 listens"),
     };
     for (_, s) in &peers {
-        s.set_nonblocking(true).map_err(|e| format!("{LOCAL}rank {}: the heartbeat: {e}", world.rank()))?;
+        s.set_nonblocking(true)
+            .map_err(|e| CommError::HeartbeatHere(format!("rank {}: the heartbeat: {e}", world.rank())))?;
     }
     *PEERS.lock().unwrap_or_else(|p| p.into_inner()) = peers;
     let (rank, nodes) = (world.rank(), world.nodes().to_vec());
@@ -177,12 +183,9 @@ pub(crate) fn start(world: &Comm, names: &[String]) -> Result<(), String> {
     std::thread::Builder::new()
         .name("fsdp-heartbeat".into())
         .spawn(move || beat(rank, timeout, &nodes, &names))
-        .map_err(|e| format!("{LOCAL}rank {rank}: the heartbeat's thread: {e}"))?;
+        .map_err(|e| CommError::HeartbeatHere(format!("rank {rank}: the heartbeat's thread: {e}")))?;
     Ok(())
 }
-
-/// Marks an error of this rank alone (not agreed): every rank that has one prints it.
-pub(crate) const LOCAL: &str = "\u{1}";
 
 /// Rank 0: the other N − 1 ranks' connections, each rank once, as they
 /// come; gives up when `stop` is set (another rank could not connect) or

@@ -25,9 +25,12 @@ pub enum CommError {
     NoThreads(Threading),
     #[error("{0}")]
     BadKnob(String),
-    /// The same line on every rank: only rank 0 prints it.
+    /// The heartbeat could not start, the same line on every rank: only rank 0 prints it.
     #[error("{0}")]
     Heartbeat(String),
+    /// The heartbeat could not start on this rank alone: it prints it.
+    #[error("{0}")]
+    HeartbeatHere(String),
 }
 
 /// This process's place in the MPI world, and the collectives over it
@@ -87,10 +90,7 @@ impl World {
             // Across machines: a heartbeat to rank 0 (rank 0's FSDP_HEARTBEAT_TIMEOUT decides;
             // an invalid one is reported by the lesson's check of its knobs, right after).
             let names: Vec<String> = names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect();
-            heartbeat::start(&comm, &names).map_err(|e| match e.strip_prefix(heartbeat::LOCAL) {
-                Some(mine) => CommError::BadKnob(mine.to_string()), // this rank's alone
-                None => CommError::Heartbeat(e),                    // every rank's, alike
-            })?;
+            heartbeat::start(&comm, &names)?;
         }
         Ok(Self { comm, stream: OnceCell::new(), threading, mesh: OnceCell::new(), _universe: universe })
     }
