@@ -12,7 +12,7 @@ use super::softmax::{backward_f32, backward_f64, forward_f32, forward_f64};
 /// fast-math the compiler vectorises only what is element-wise and keeps
 /// every rounding (it fuses no multiply and add the code does not fuse).
 #[inline(always)]
-fn avx2() -> bool {
+pub(super) fn avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     return std::arch::is_x86_feature_detected!("avx2");
     #[allow(unreachable_code)]

@@ -319,7 +319,7 @@ impl CustomOp2 for MatMul {
 }
 
 /// Every batch item's product, in f32, back to back (row-major M × N each).
-fn products<T: Copy>(
+fn products<T: Copy + 'static>(
     a: &Operand,
     x: &[T],
     b: &Operand,
@@ -444,7 +444,7 @@ struct View {
 /// On the AVX2 and AVX-512 paths the same copies are compiled for AVX2 (the
 /// build's baseline is SSE2): wider loads and stores, the same values
 /// (lesson 01 at one rank 1.4–3% faster on a Zen 3).
-fn pack<T: Copy, const W: usize>(
+fn pack<T: Copy + 'static, const W: usize>(
     isa: Isa,
     v: &View,
     x: &[T],
@@ -454,6 +454,14 @@ fn pack<T: Copy, const W: usize>(
 ) {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable {
+        // f32 lines that run along k (x, and wᵀ, in x·wᵀ): 8 × 8 blocks transposed in registers.
+        if v.stride != 1
+            && v.k_stride == 1
+            && let Some(x) = as_f32(x)
+        {
+            // SAFETY: as below; the lines' bounds are checked in `pack_lines_avx2`.
+            return unsafe { pack_lines_avx2::<W>(v, x, kb, panels) };
+        }
         #[target_feature(enable = "avx2")]
         fn on_avx2<T: Copy, const W: usize>(
             v: &View,
@@ -470,6 +478,83 @@ fn pack<T: Copy, const W: usize>(
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
     pack_each::<T, W>(v, x, kb, widen, panels)
+}
+
+/// `x` as f32 values, when `T` is f32.
+fn as_f32<T: 'static>(x: &[T]) -> Option<&[f32]> {
+    // SAFETY: T is f32, so the slice is one of f32.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
+        .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
+}
+
+/// [`pack_each`]'s lines along k (`k_stride` 1) for f32, eight lines by
+/// eight steps of k at a time: eight loads, a transpose in registers
+/// (unpack, shuffle, swap halves), and each step's eight values stored
+/// together, where a scalar copy moves one value per load and store.
+/// The same values land in the same places: only the moves differ.
+/// A panel past the edge, and the last `kb % 8` steps, take the scalar copy.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut [MaybeUninit<f32>]) {
+    use std::arch::x86_64::*;
+    let full = v.len / W; // panels without an edge
+    let k8 = kb / 8 * 8;
+    for (p, panel) in panels.chunks_exact_mut(W * kb).take(full).enumerate() {
+        let base = v.at + p * W * v.stride;
+        let lines: [&[f32]; W] = std::array::from_fn(|w| &x[base + w * v.stride..][..kb]);
+        let dst = panel.as_mut_ptr().cast::<f32>();
+        // SAFETY: every load reads lines[w][kk..kk + 8] with kk + 8 ≤ kb, a line's length; every
+        // store writes dst[(kk + j)·W + g ..][..n] with (kk + j) < kb and g + n ≤ W, inside the panel.
+        unsafe {
+            for g in (0..W).step_by(8) {
+                let n = (W - g).min(8); // lines in this group: 8, or the 6 of an MR panel
+                for kk in (0..k8).step_by(8) {
+                    let mut r = [_mm256_setzero_ps(); 8];
+                    for (ri, line) in r.iter_mut().zip(&lines[g..g + n]) {
+                        *ri = _mm256_loadu_ps(line.as_ptr().add(kk));
+                    }
+                    // r[i] = line g+i at k = kk..kk+8  →  t[j] = every line's value at k = kk+j
+                    let (u0, u1) = (_mm256_unpacklo_ps(r[0], r[1]), _mm256_unpackhi_ps(r[0], r[1]));
+                    let (u2, u3) = (_mm256_unpacklo_ps(r[2], r[3]), _mm256_unpackhi_ps(r[2], r[3]));
+                    let (u4, u5) = (_mm256_unpacklo_ps(r[4], r[5]), _mm256_unpackhi_ps(r[4], r[5]));
+                    let (u6, u7) = (_mm256_unpacklo_ps(r[6], r[7]), _mm256_unpackhi_ps(r[6], r[7]));
+                    let s = [
+                        _mm256_shuffle_ps::<0x44>(u0, u2), // lines 0-3 at k 0 | 4
+                        _mm256_shuffle_ps::<0xEE>(u0, u2), // 1 | 5
+                        _mm256_shuffle_ps::<0x44>(u1, u3), // 2 | 6
+                        _mm256_shuffle_ps::<0xEE>(u1, u3), // 3 | 7
+                        _mm256_shuffle_ps::<0x44>(u4, u6), // lines 4-7, likewise
+                        _mm256_shuffle_ps::<0xEE>(u4, u6),
+                        _mm256_shuffle_ps::<0x44>(u5, u7),
+                        _mm256_shuffle_ps::<0xEE>(u5, u7),
+                    ];
+                    for j in 0..4 {
+                        let lo = _mm256_permute2f128_ps::<0x20>(s[j], s[j + 4]); // k = kk + j
+                        let hi = _mm256_permute2f128_ps::<0x31>(s[j], s[j + 4]); // k = kk + j + 4
+                        for (t, at) in [(lo, kk + j), (hi, kk + j + 4)] {
+                            let d = dst.add(at * W + g);
+                            if n == 8 {
+                                _mm256_storeu_ps(d, t);
+                            } else {
+                                // the 6 lines of an MR panel: 4 values, then 2
+                                _mm_storeu_ps(d, _mm256_castps256_ps128(t));
+                                _mm_storel_epi64(d.add(4).cast(), _mm_castps_si128(_mm256_extractf128_ps::<1>(t)));
+                            }
+                        }
+                    }
+                }
+            }
+            for kk in k8..kb {
+                for (w, line) in lines.iter().enumerate() {
+                    dst.add(kk * W + w).write(line[kk]);
+                }
+            }
+        }
+    }
+    if full * W < v.len {
+        let edge = View { at: v.at + full * W * v.stride, len: v.len - full * W, ..*v };
+        pack_each::<f32, W>(&edge, x, kb, |v| v, &mut panels[full * W * kb..]);
+    }
 }
 
 #[inline(always)]
@@ -744,17 +829,21 @@ mod tests {
         for &(m, k, n) in
             &[(1, 1, 1), (7, 3, 17), (13, 1536, 33), (64, 128, 65), (6, 0, 16), (30, 300, 50), (25, 17, 80)]
         {
-            let (a, b) = (random(&[m, k], 1), random(&[k, n], 2));
-            let want = reference(
-                &a.flatten_all().unwrap().to_vec1().unwrap(),
-                &b.flatten_all().unwrap().to_vec1().unwrap(),
-                m,
-                k,
-                n,
-            );
-            let want: Vec<u32> = want.into_iter().map(f32::to_bits).collect();
-            for path in paths() {
-                assert_eq!(bits(&a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap()), want, "{path:?}, {m}×{k}×{n}");
+            // b plain, and b as wᵀ (a linear layer's weight, its lines along k, packed by transposes)
+            let (a, b, w) = (random(&[m, k], 1), random(&[k, n], 2), random(&[n, k], 3));
+            for b in [b, w.t().unwrap()] {
+                let want = reference(
+                    &a.flatten_all().unwrap().to_vec1().unwrap(),
+                    &b.flatten_all().unwrap().to_vec1().unwrap(),
+                    m,
+                    k,
+                    n,
+                );
+                let want: Vec<u32> = want.into_iter().map(f32::to_bits).collect();
+                for path in paths() {
+                    let got = bits(&a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap());
+                    assert_eq!(got, want, "{path:?}, {m}×{k}×{n}, b strides {:?}", b.stride());
+                }
             }
         }
     }
