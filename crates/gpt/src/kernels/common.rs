@@ -7,8 +7,8 @@ use std::mem::MaybeUninit;
 use super::matmul::{Operand, products_f32, products_f64};
 use super::softmax::{backward_f32, backward_f64, forward_f32, forward_f64};
 
-/// Whether the element-wise loops below may take AVX2's eight lanes (the
-/// build's baseline, SSE2, has four). The bits cannot differ: without
+/// Whether the element-wise loops below, and LayerNorm's, may take AVX2's
+/// eight lanes (the build's baseline, SSE2, has four). The bits cannot differ: without
 /// fast-math the compiler vectorises only what is element-wise and keeps
 /// every rounding (it fuses no multiply and add the code does not fuse).
 #[inline(always)]

@@ -100,6 +100,7 @@ const ROWS: usize = 8;
 /// overlap instead of each waiting for the one before it (a row alone is
 /// one long chain of dependent adds). Returns each row's 1/σ.
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // k walks every row's elements at once: rows[r][k]
 fn rows_f32(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS] {
     let n = c as f32;
     let rows: [&[f32]; ROWS] = std::array::from_fn(|r| &x[r * c..][..c]);
@@ -440,10 +441,10 @@ mod tests {
     }
 
     /// The f32 rows taken eight at a time give the bits of one row at a
-    /// time, forward and backward: 8-row blocks and a remainder, C not a
-    /// multiple of the vector width.
+    /// time (compiled for the baseline), forward and backward: 8-row blocks
+    /// and a remainder, C not a multiple of the vector width.
     #[test]
-    fn rows_side_by_side_give_one_rows_bits() {
+    fn eight_rows_at_once_give_the_bits_of_one_at_a_time() {
         let (rows, c) = (8 * 4 + 5, 45);
         let vals = |seed| random(&[rows * c], seed).to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
         let (x, g) = (vals(21), vals(22));

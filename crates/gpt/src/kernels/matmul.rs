@@ -443,7 +443,9 @@ struct View {
 ///
 /// On the AVX2 and AVX-512 paths the same copies are compiled for AVX2 (the
 /// build's baseline is SSE2): wider loads and stores, the same values
-/// (lesson 01 at one rank 1.4–3% faster on a Zen 3).
+/// (lesson 01 at one rank 1.4–3% faster on a Zen 3). There, f32 lines that
+/// run along k take [`pack_lines_avx2`]'s transposes instead; an f32
+/// operand is never widened (`widen` is the identity for f32).
 fn pack<T: Copy + 'static, const W: usize>(
     isa: Isa,
     v: &View,
@@ -454,12 +456,12 @@ fn pack<T: Copy + 'static, const W: usize>(
 ) {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable {
-        // f32 lines that run along k (x, and wᵀ, in x·wᵀ): 8 × 8 blocks transposed in registers.
+        // f32 lines along k (a row-major a: x, g, P, q; b = wᵀ or kᵀ): 8 × 8 blocks transposed in registers.
         if v.stride != 1
             && v.k_stride == 1
             && let Some(x) = as_f32(x)
         {
-            // SAFETY: as below; the lines' bounds are checked in `pack_lines_avx2`.
+            // SAFETY: the AVX2 and AVX-512 paths run only where the CPU has AVX2 (`Isa::available`).
             return unsafe { pack_lines_avx2::<W>(v, x, kb, panels) };
         }
         #[target_feature(enable = "avx2")]
@@ -481,6 +483,7 @@ fn pack<T: Copy + 'static, const W: usize>(
 }
 
 /// `x` as f32 values, when `T` is f32.
+#[cfg(target_arch = "x86_64")]
 fn as_f32<T: 'static>(x: &[T]) -> Option<&[f32]> {
     // SAFETY: T is f32, so the slice is one of f32.
     (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
@@ -492,11 +495,14 @@ fn as_f32<T: 'static>(x: &[T]) -> Option<&[f32]> {
 /// (unpack, shuffle, swap halves), and each step's eight values stored
 /// together, where a scalar copy moves one value per load and store.
 /// The same values land in the same places: only the moves differ.
-/// A panel past the edge, and the last `kb % 8` steps, take the scalar copy.
+/// The edge panel (partly past the edge), and the last `kb % 8` steps,
+/// take the scalar copy. `W` is `MR` (6: one group of six lines, stored as
+/// 4 + 2 values) or a multiple of 8 (`NR`: groups of eight).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::*;
+    const { assert!(W == MR || W % 8 == 0, "a panel of six lines or of groups of eight") };
     let full = v.len / W; // panels without an edge
     let k8 = kb / 8 * 8;
     for (p, panel) in panels.chunks_exact_mut(W * kb).take(full).enumerate() {
