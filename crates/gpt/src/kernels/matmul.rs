@@ -502,7 +502,7 @@ fn as_f32<T: 'static>(x: &[T]) -> Option<&[f32]> {
 #[target_feature(enable = "avx2")]
 fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::*;
-    const { assert!(W == MR || W % 8 == 0, "a panel of six lines or of groups of eight") };
+    const { assert!(W == MR || W.is_multiple_of(8), "a panel of six lines or of groups of eight") };
     let full = v.len / W; // panels without an edge
     let k8 = kb / 8 * 8;
     for (p, panel) in panels.chunks_exact_mut(W * kb).take(full).enumerate() {
