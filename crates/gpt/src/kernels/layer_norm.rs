@@ -132,17 +132,24 @@ fn rows_f32(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS] {
 fn forward_f32(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32) -> Vec<f32> {
     #[inline(always)]
     fn each(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32, y: &mut [f32]) {
-        let whole = x.len() / (ROWS * c) * (ROWS * c);
-        for (x, y) in x[..whole].chunks_exact(ROWS * c).zip(y.chunks_exact_mut(ROWS * c)) {
-            rows_f32(x, y, c, eps);
-        }
-        for (x, y) in x[whole..].chunks_exact(c).zip(y[whole..].chunks_exact_mut(c)) {
-            row_f32(x, y, eps);
-        }
-        for y in y.chunks_exact_mut(c) {
-            for ((y, &w), &b) in y.iter_mut().zip(w).zip(b) {
-                *y = *y * w + b;
+        /// x̂ · w + b, on rows whose x̂ was just written (still in L1).
+        #[inline(always)]
+        fn scale_shift(y: &mut [f32], w: &[f32], b: &[f32], c: usize) {
+            for y in y.chunks_exact_mut(c) {
+                for ((y, &w), &b) in y.iter_mut().zip(w).zip(b) {
+                    *y = *y * w + b;
+                }
             }
+        }
+        let whole = x.len() / (ROWS * c) * (ROWS * c);
+        let (y_whole, y_rest) = y.split_at_mut(whole);
+        for (x, y) in x[..whole].chunks_exact(ROWS * c).zip(y_whole.chunks_exact_mut(ROWS * c)) {
+            rows_f32(x, y, c, eps);
+            scale_shift(y, w, b, c);
+        }
+        for (x, y) in x[whole..].chunks_exact(c).zip(y_rest.chunks_exact_mut(c)) {
+            row_f32(x, y, eps);
+            scale_shift(y, w, b, c);
         }
     }
     let mut y = vec![0f32; x.len()];
