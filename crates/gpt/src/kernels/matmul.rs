@@ -14,8 +14,9 @@
 //!
 //! The speed comes from BLIS's structure: operands packed into panels of
 //! `MR` rows of `a` and `NR` columns of `b`, a 6 × 16 tile of accumulators
-//! (12 AVX registers) updated by 12 FMAs per step of `k` (with AVX-512, a
-//! 12 × 32 tile: 24 of its 32 registers, 24 FMAs per step), and the loops
+//! (12 AVX registers) updated by 12 FMAs per step of `k` (with AVX-512, where
+//! two full row and column panels remain, a 12 × 32 tile: 24 of AVX-512's 32
+//! registers, 24 FMAs per step), and the loops
 //! blocked so that what the tile reads stays in the caches — `kc` steps of
 //! the contraction at a time (a `kc`-deep panel of `b` stays in L2), `mc`
 //! rows of `a` and `nc` columns of `b` (each a block within L3), sized from
@@ -357,6 +358,11 @@ fn products<T: Copy + 'static>(
     let at_a = |k0: usize, kb: usize, p: usize| k0 * mp * MR + p * MR * kb;
     let at_b = |k0: usize, kb: usize, q: usize| k0 * np * NR + q * NR * kb;
     let mut edge = [0f32; MR * NR];
+    // The chains so far of the tiles two row panels below `corner` (row panel p), 16 columns
+    // of 12 rows, on their way to L1 while the tile at `corner` computes.
+    let prefetch_next = |out: &[MaybeUninit<f32>], corner: usize, p: usize| {
+        prefetch_rows(out, corner + 2 * MR * n, n, (2 * MR).min(m.saturating_sub((p + 2) * MR)))
+    };
     let items = a.batch_offsets.iter().zip(&b.batch_offsets);
     for ((&ao, &bo), out) in items.zip(out.spare_capacity_mut()[..len].chunks_exact_mut(m * n)) {
         for (k0, kb) in k_blocks() {
@@ -375,8 +381,8 @@ fn products<T: Copy + 'static>(
                     let (q_end, p_end) = (np.min(q0 + ncp), mp.min(p0 + mcp));
                     let mut q = q0;
                     while q < q_end {
-                        // Two full column panels at once where the CPU has AVX-512: 12 × 32 tiles
-                        // (two row panels too), the same chains, about half the loads per FMA (14 per 24, not 13 per 12).
+                        // Two full column panels at once where the CPU has AVX-512: 12 × 32 tiles (two
+                        // row panels too), the same chains, about half the loads per FMA (14 per 24, not 13 per 12).
                         let quad = quad_fn.filter(|_| q + 1 < q_end && n >= (q + 2) * NR);
                         let mut p = p0;
                         if let Some(quad) = quad {
@@ -384,9 +390,8 @@ fn products<T: Copy + 'static>(
                             while p + 1 < p_end && m >= (p + 2) * MR {
                                 let corner = (p * MR) * n + q * NR;
                                 if load {
-                                    let rows = (2 * MR).min(m.saturating_sub((p + 2) * MR));
-                                    prefetch_rows(out, corner + 2 * MR * n, n, rows);
-                                    prefetch_rows(out, corner + 2 * MR * n + NR, n, rows);
+                                    prefetch_next(out, corner, p);
+                                    prefetch_next(out, corner + NR, p);
                                 }
                                 let apanels =
                                     [&ap[at_a(k0, kb, p)..][..MR * kb], &ap[at_a(k0, kb, p + 1)..][..MR * kb]];
@@ -404,17 +409,11 @@ fn products<T: Copy + 'static>(
                                 let rows = MR.min(m - p * MR);
                                 let corner = (p * MR) * n + q * NR;
                                 if load {
-                                    // The next tiles' chains so far, on their way to L1 while this one computes.
-                                    prefetch_rows(
-                                        out,
-                                        corner + 2 * MR * n,
-                                        n,
-                                        (2 * MR).min(m.saturating_sub((p + 2) * MR)),
-                                    );
+                                    prefetch_next(out, corner, p);
                                 }
                                 let apanel = &ap[at_a(k0, kb, p)..][..MR * kb];
-                                // Two full panels at once where the CPU has AVX-512: the same
-                                // chains, twice the accumulators in flight.
+                                // Two full row panels at once where the CPU has AVX-512 (a lone
+                                // or leftover column panel): the same chains, twice the accumulators in flight.
                                 let full_pair = p + 1 < p_end && cols == NR && m >= (p + 2) * MR;
                                 match pair_fn.filter(|_| full_pair) {
                                     Some(pair) => {
