@@ -599,18 +599,26 @@ fn pack_each<T: Copy, const W: usize>(
 ) {
     let full = v.len / W; // panels without an edge
     if v.stride == 1 {
-        // Each step of k is one contiguous run over every panel: read in order, scattered W at a time.
-        for kk in 0..kb {
-            let run = &x[v.at + kk * v.k_stride..][..v.len];
-            let src = run.chunks_exact(W);
-            let edge = src.remainder();
-            let mut dst = panels[kk * W..].chunks_mut(W * kb);
-            for (s, d) in src.zip(&mut dst) {
-                let d: &mut [MaybeUninit<f32>; W] = (&mut d[..W]).try_into().unwrap();
-                (0..W).for_each(|w| _ = d[w].write(widen(s[w]))); // fixed length: no memcpy call
-            }
-            if let Some(d) = dst.next().filter(|_| !edge.is_empty()) {
-                (0..W).for_each(|w| _ = d[w].write(edge.get(w).map_or(0.0, |&s| widen(s))));
+        // Each step of k is one contiguous run across the panels, scattered W at a time, for a group
+        // of GROUP panels at once: every k step's stores go to one place per panel of the group, W·kb
+        // floats apart, and at a power-of-two kb those places fall in few sets of L1 (which repeat every
+        // 4 KiB; at kb = 256 and W = 6, panels lie 6 KiB apart: two sets). All the panels at once (64 for
+        // a 384-row gᵀ) thrashed those sets: the tiny gᵀ·x products ran at 0.6 of their rate (a Zen 5).
+        const GROUP: usize = 8;
+        for g0 in (0..v.len.div_ceil(W)).step_by(GROUP) {
+            let lines = (GROUP * W).min(v.len - g0 * W);
+            for kk in 0..kb {
+                let run = &x[v.at + g0 * W + kk * v.k_stride..][..lines];
+                let src = run.chunks_exact(W);
+                let edge = src.remainder();
+                let mut dst = panels[g0 * W * kb + kk * W..].chunks_mut(W * kb);
+                for (s, d) in src.zip(&mut dst) {
+                    let d: &mut [MaybeUninit<f32>; W] = (&mut d[..W]).try_into().unwrap();
+                    (0..W).for_each(|w| _ = d[w].write(widen(s[w]))); // fixed length: no memcpy call
+                }
+                if let Some(d) = dst.next().filter(|_| !edge.is_empty()) {
+                    (0..W).for_each(|w| _ = d[w].write(edge.get(w).map_or(0.0, |&s| widen(s))));
+                }
             }
         }
     } else if v.k_stride == 1 {
@@ -756,12 +764,21 @@ unsafe fn tile_avx2_inner(k: usize, ap: *const f32, bp: *const f32, c: *mut f32,
     }
 }
 
+// How many 12 × 16 pairs and 12 × 32 quads this thread has run: for the
+// tests, which would pass on the narrower tiles alone (the same bits).
+#[cfg(test)]
+thread_local! {
+    static WIDE_TILES_RUN: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
+}
+
 #[cfg(target_arch = "x86_64")]
 fn pair_avx512(k: usize, ap0: &[f32], ap1: &[f32], bp: &[f32], c: &mut [MaybeUninit<f32>], ldc: usize, load: bool) {
     assert!(ap0.len() >= k * MR && ap1.len() >= k * MR && bp.len() >= k * NR && c.len() >= (2 * MR - 1) * ldc + NR);
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
     // panels and `c` (checked above), stores within `c`; `c` is read only
     // with `load`, when the k-block before stored it.
+    #[cfg(test)]
+    WIDE_TILES_RUN.with(|n| n.set((n.get().0 + 1, n.get().1)));
     unsafe { pair_avx512_inner(k, ap0.as_ptr(), ap1.as_ptr(), bp.as_ptr(), c.as_mut_ptr().cast(), ldc, load) }
 }
 
@@ -805,6 +822,8 @@ fn quad_avx512(k: usize, ap: [&[f32]; 2], bp: [&[f32]; 2], c: &mut [MaybeUninit<
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
     // panels and `c` (checked above), stores within `c`; `c` is read only
     // with `load`, when the k-block before stored it.
+    #[cfg(test)]
+    WIDE_TILES_RUN.with(|n| n.set((n.get().0, n.get().1 + 1)));
     unsafe {
         quad_avx512_inner(
             k,
@@ -911,7 +930,10 @@ mod tests {
     /// Every path the CPU runs, each with this CPU's blocks and with blocks
     /// forced small (so that edge blocks and several k-blocks are exercised).
     fn paths() -> Vec<Path> {
-        let small = [Blocks::fixed(7, 6, 16), Blocks::fixed(5, 12, 32), Blocks::fixed(64, 18, 48)];
+        // One row panel by one column panel; one row panel by two (12 × 32 tiles cannot fit, a
+        // pair cannot either); one by two with k-blocks of 5; two by three with an odd column panel.
+        let small =
+            [Blocks::fixed(7, 6, 16), Blocks::fixed(5, 6, 32), Blocks::fixed(5, 12, 32), Blocks::fixed(64, 18, 48)];
         Isa::available()
             .into_iter()
             .flat_map(|isa| std::iter::once(Blocks::for_this_cpu()).chain(small).map(move |b| Path::Forced(isa, b)))
@@ -923,9 +945,21 @@ mod tests {
     fn every_element_is_one_fma_chain_in_order() {
         // Edges in every direction: M, N not multiples of the tile, K long
         // enough that a chain split into k-blocks would show if it were not continued.
-        for &(m, k, n) in
-            &[(1, 1, 1), (7, 3, 17), (13, 1536, 33), (64, 128, 65), (6, 0, 16), (30, 300, 50), (25, 17, 80)]
-        {
+        // (7, 9, 40): fewer rows than one panel beside two full column panels; (13, 20, 150): a plain b
+        // of ten column panels, packed in groups of eight, the last with an edge.
+        let shapes = [
+            (1, 1, 1),
+            (7, 3, 17),
+            (7, 9, 40),
+            (13, 20, 150),
+            (13, 1536, 33),
+            (64, 128, 65),
+            (6, 0, 16),
+            (30, 300, 50),
+            (25, 17, 80),
+        ];
+        let wide_before = WIDE_TILES_RUN.with(|n| n.get());
+        for &(m, k, n) in &shapes {
             // b plain, and b as wᵀ (a linear layer's weight, its lines along k, packed by transposes)
             let (a, b, w) = (random(&[m, k], 1), random(&[k, n], 2), random(&[n, k], 3));
             for b in [b, w.t().unwrap()] {
@@ -942,6 +976,14 @@ mod tests {
                     assert_eq!(got, want, "{path:?}, {m}×{k}×{n}, b strides {:?}", b.stride());
                 }
             }
+        }
+        // Where the CPU has AVX-512, the wider tiles were among those checked (this thread's count).
+        let (pairs, quads) = WIDE_TILES_RUN.with(|n| n.get());
+        let wide_run = (pairs - wide_before.0, quads - wide_before.1);
+        if Isa::available().contains(&Isa::Avx512) {
+            assert!(wide_run.0 > 0 && wide_run.1 > 0, "AVX-512: pairs and quads run {wide_run:?}");
+        } else {
+            assert_eq!(wide_run, (0, 0), "no AVX-512, yet wide tiles ran");
         }
     }
 
