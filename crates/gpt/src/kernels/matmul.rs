@@ -603,7 +603,8 @@ fn pack_each<T: Copy, const W: usize>(
         // of GROUP panels at once: every k step's stores go to one place per panel of the group, W·kb
         // floats apart, and at a power-of-two kb those places fall in few sets of L1 (which repeat every
         // 4 KiB; at kb = 256 and W = 6, panels lie 6 KiB apart: two sets). All the panels at once (64 for
-        // a 384-row gᵀ) thrashed those sets: the tiny gᵀ·x products ran at 0.6 of their rate (a Zen 5).
+        // a 384-row gᵀ) thrashed those sets: the tiny gᵀ·x products ran at 0.6–0.76 of their rate on
+        // AVX-512 (a Zen 5). Eight panels put four stores in a set, well within its 8–12 ways.
         const GROUP: usize = 8;
         for g0 in (0..v.len.div_ceil(W)).step_by(GROUP) {
             let lines = (GROUP * W).min(v.len - g0 * W);
@@ -774,11 +775,11 @@ thread_local! {
 #[cfg(target_arch = "x86_64")]
 fn pair_avx512(k: usize, ap0: &[f32], ap1: &[f32], bp: &[f32], c: &mut [MaybeUninit<f32>], ldc: usize, load: bool) {
     assert!(ap0.len() >= k * MR && ap1.len() >= k * MR && bp.len() >= k * NR && c.len() >= (2 * MR - 1) * ldc + NR);
+    #[cfg(test)]
+    WIDE_TILES_RUN.with(|n| n.set((n.get().0 + 1, n.get().1)));
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
     // panels and `c` (checked above), stores within `c`; `c` is read only
     // with `load`, when the k-block before stored it.
-    #[cfg(test)]
-    WIDE_TILES_RUN.with(|n| n.set((n.get().0 + 1, n.get().1)));
     unsafe { pair_avx512_inner(k, ap0.as_ptr(), ap1.as_ptr(), bp.as_ptr(), c.as_mut_ptr().cast(), ldc, load) }
 }
 
@@ -819,11 +820,11 @@ unsafe fn pair_avx512_inner(
 fn quad_avx512(k: usize, ap: [&[f32]; 2], bp: [&[f32]; 2], c: &mut [MaybeUninit<f32>], ldc: usize, load: bool) {
     assert!(ap.iter().all(|a| a.len() >= k * MR) && bp.iter().all(|b| b.len() >= k * NR));
     assert!(c.len() >= (2 * MR - 1) * ldc + 2 * NR);
+    #[cfg(test)]
+    WIDE_TILES_RUN.with(|n| n.set((n.get().0, n.get().1 + 1)));
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
     // panels and `c` (checked above), stores within `c`; `c` is read only
     // with `load`, when the k-block before stored it.
-    #[cfg(test)]
-    WIDE_TILES_RUN.with(|n| n.set((n.get().0, n.get().1 + 1)));
     unsafe {
         quad_avx512_inner(
             k,
@@ -931,7 +932,7 @@ mod tests {
     /// forced small (so that edge blocks and several k-blocks are exercised).
     fn paths() -> Vec<Path> {
         // One row panel by one column panel; one row panel by two (12 × 32 tiles cannot fit, a
-        // pair cannot either); one by two with k-blocks of 5; two by three with an odd column panel.
+        // pair cannot either); two by two with k-blocks of 5; three by three (an odd one of each).
         let small =
             [Blocks::fixed(7, 6, 16), Blocks::fixed(5, 6, 32), Blocks::fixed(5, 12, 32), Blocks::fixed(64, 18, 48)];
         Isa::available()
@@ -945,13 +946,15 @@ mod tests {
     fn every_element_is_one_fma_chain_in_order() {
         // Edges in every direction: M, N not multiples of the tile, K long
         // enough that a chain split into k-blocks would show if it were not continued.
-        // (7, 9, 40): fewer rows than one panel beside two full column panels; (13, 20, 150): a plain b
-        // of ten column panels, packed in groups of eight, the last with an edge.
+        // (7, 9, 40): fewer rows than two panels (no 12 × 32 tile fits) beside two full column panels;
+        // (13, 20, 150): a plain b of ten column panels, packed in groups of eight, the last with an
+        // edge; (13, 20, 144): nine, the last alone and without an edge.
         let shapes = [
             (1, 1, 1),
             (7, 3, 17),
             (7, 9, 40),
             (13, 20, 150),
+            (13, 20, 144),
             (13, 1536, 33),
             (64, 128, 65),
             (6, 0, 16),
