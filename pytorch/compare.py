@@ -4,7 +4,10 @@ On this machine, in one run, interleaved: each lesson and its PyTorch
 counterpart train the same GPT from the same initial weights on the same
 batches (tiny preset, one 8 × 64 micro-batch per rank per step), at 1, 2
 and 4 ranks, one compute thread per rank, both launched by mpirun. Each
-group is run --reps times, alternating the order. Prints per pair both
+group is run --reps times, alternating the order. Lesson 03 and ZeRO-3,
+which compute each block's forward again in the backward, meet FSDP2 twice:
+as usually run, and with activation checkpointing on every block (the same
+activation policy as theirs). Prints per pair both
 medians, their ratio and both peak RSS, with the CPU and its measured
 matmul rate; writes compare.md and compare.json under --out.
 
@@ -33,7 +36,9 @@ GROUPS = [
             ("lesson 03 (FSDP, per block)", "step03-layerwise-shard", ["--no-plot"]),
             ("ZeRO-3 (lesson 04, fp32)", "step04-optimizer-state-shard", ["--stage", "3", "--precision", "fp32"]),
         ],
-        [("FSDP2 fully_shard per block", "fsdp2")],
+        # Lesson 03 and ZeRO-3 compute each block's forward again in the backward; FSDP2 keeps
+        # activations unless asked: the second row compares at the same activation policy.
+        [("FSDP2 fully_shard per block", "fsdp2"), ("FSDP2 per block + activation checkpointing", "fsdp2-ac")],
     ),
 ]
 # torch.matmul on one thread at the shapes fsdp-bench --matmul-only measured (stdin: its rates),

@@ -2,6 +2,7 @@
 
     mpirun -n 2 python3 pytorch/train.py ddp   --data out/ref --json out/ddp.json
     mpirun -n 2 python3 pytorch/train.py fsdp2 --data out/ref --json out/fsdp2.json
+    mpirun -n 2 python3 pytorch/train.py fsdp2-ac --data out/ref --json out/fsdp2-ac.json
     mpirun -n 2 python3 pytorch/train.py toy   --data out/ref --json out/toy.json
     python3 pytorch/train.py eval --weights w.safetensors --corpus out/ref/corpus.u32
 
@@ -14,6 +15,10 @@ of each step, and the gradient is the mean over all M, as in the lessons.
          a rank's micro-batches);
 - fsdp2: `fully_shard` on every block, then on the root (FSDP2's usual
          wrapping; the root is not resharded after forward);
+- fsdp2-ac: the same with activation checkpointing on every block
+         (`checkpoint_wrapper` inside `fully_shard`, as torchtitan wraps):
+         each block keeps only its input and computes its forward again in
+         the backward, as lesson 03 and ZeRO-3 do;
 - toy:   the classic whole-model shard (lesson 02's scheme, the seed toy's):
          each rank keeps 1/N of a flat fp32 vector and its AdamW state,
          all-gathers the whole model every step, reduces the gradient and
@@ -42,7 +47,7 @@ torch.set_num_interop_threads(1)
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["ddp", "fsdp2", "toy", "eval"])
+    p.add_argument("mode", choices=["ddp", "fsdp2", "fsdp2-ac", "toy", "eval"])
     p.add_argument("--data", help="a folder fsdp-reference-data wrote")
     p.add_argument("--json", help="rank 0 writes the run's losses, step times and peak RSS here")
     p.add_argument("--port", type=int, default=29500)
@@ -69,7 +74,8 @@ def main():
     adamw = dict(lr=meta["lr"], betas=(meta["beta1"], meta["beta2"]), eps=meta["eps"])
     wd = meta["weight_decay"]
     decayed = [0]  # how many elements AdamW decays, over all ranks: set by the mode
-    step_fn = {"ddp": ddp, "fsdp2": fsdp2, "toy": toy}[a.mode](model, adamw, wd, world, rank, decayed)
+    modes = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2-ac": lambda *args: fsdp2(*args, recompute=True), "toy": toy}
+    step_fn = modes[a.mode](model, adamw, wd, world, rank, decayed)
 
     losses, seconds, norm = [], [], None
     for s in range(meta["steps"]):
@@ -145,12 +151,18 @@ def ddp(model, adamw, wd, world, rank, decayed):
     return step
 
 
-def fsdp2(model, adamw, wd, world, rank, decayed):
+def fsdp2(model, adamw, wd, world, rank, decayed, recompute=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.transformer.h:
+    blocks = model.transformer.h
+    if recompute:  # each block's forward again in its backward, from its input alone
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)  # no dropout: no RNG to replay
+    for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root: embeddings, ln_f, the tied head
     opt = torch.optim.AdamW(groups(model.parameters(), wd), **adamw)  # DTensors keep their dims
