@@ -306,16 +306,19 @@ fn matmul_rates() -> anyhow::Result<Vec<Value>> {
 
 /// The CPU's single-core f32 FMA peak per path, from the clock /proc/cpuinfo
 /// reports now and the vector width, two FMA units assumed (Zen 2 onwards,
-/// Intel since Haswell): 2 units × lanes × 2 FLOPs per cycle.
+/// Intel since Haswell): 2 units × lanes × 2 FLOPs per cycle. A Zen 4 (AMD
+/// family 25 with AVX-512) has two 256-bit FMA units and runs a 512-bit FMA
+/// as two halves: its AVX-512 peak is its AVX2 peak.
 fn fma_peaks() -> Value {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let mhz: f64 = info
-        .lines()
-        .find(|l| l.starts_with("cpu MHz"))
-        .and_then(|l| l.split(':').nth(1))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
+    let field = |key: &str| {
+        info.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == key)).and_then(|l| l.split(':').nth(1))
+    };
+    let mhz: f64 = field("cpu MHz").and_then(|v| v.trim().parse().ok()).unwrap_or(0.0);
+    let zen4 = field("vendor_id").is_some_and(|v| v.trim() == "AuthenticAMD")
+        && field("cpu family").is_some_and(|f| f.trim() == "25");
     let lanes = |isa: fsdp_gpt::kernels::Isa| match isa {
+        fsdp_gpt::kernels::Isa::Avx512 if zen4 => 8.0,
         fsdp_gpt::kernels::Isa::Avx512 => 16.0,
         fsdp_gpt::kernels::Isa::Avx2 => 8.0,
         fsdp_gpt::kernels::Isa::Portable => 1.0,
@@ -362,7 +365,7 @@ fn matmul_table(j: &Value) -> String {
         .map(|o| o.iter().map(|(k, v)| format!("{k} {:.1}", v.as_f64().unwrap_or(0.0) / 1e9)).collect())
         .unwrap_or_default();
     format!(
-        "{}: the lessons' matmul on one thread, GFLOP/s (best of 5), through every path this CPU runs (in use: {}):\n{}FMA peak at the {:.0} MHz /proc/cpuinfo reports now (2 FMA units × vector width × 2 FLOPs a cycle): {} GFLOP/s\n",
+        "{}: the lessons' matmul on one thread, GFLOP/s (best of 5), through every path this CPU runs (in use: {}):\n{}FMA peak at the {:.0} MHz /proc/cpuinfo reports now (2 FMA units × the lanes each fills a cycle × 2 FLOPs): {} GFLOP/s\n",
         j["cpu"].as_str().unwrap_or("?"),
         j["path"].as_str().unwrap_or("?"),
         t.render(),
