@@ -7,9 +7,9 @@ and 4 ranks, one compute thread per rank, both launched by mpirun. Each
 group is run --reps times, alternating the order. Lesson 03 and ZeRO-3,
 which compute each block's forward again in the backward, meet FSDP2 twice:
 as usually run, and with activation checkpointing on every block (the same
-activation policy as theirs). Prints per pair both
-medians, their ratio and both peak RSS, with the CPU and its measured
-matmul rate; writes compare.md and compare.json under --out.
+activation policy as theirs). Prints per pair both medians, their ratio
+and both peak RSS, with the CPU and its measured matmul rate; writes
+compare.md and compare.json under --out.
 
 It checks the math too, and exits with status 3 when a check fails (1
 when a run fails):

@@ -1,9 +1,9 @@
 """PyTorch's ways to train the lessons' GPT, one thread per rank, over gloo.
 
-    mpirun -n 2 python3 pytorch/train.py ddp   --data out/ref --json out/ddp.json
-    mpirun -n 2 python3 pytorch/train.py fsdp2 --data out/ref --json out/fsdp2.json
+    mpirun -n 2 python3 pytorch/train.py ddp      --data out/ref --json out/ddp.json
+    mpirun -n 2 python3 pytorch/train.py fsdp2    --data out/ref --json out/fsdp2.json
     mpirun -n 2 python3 pytorch/train.py fsdp2-ac --data out/ref --json out/fsdp2-ac.json
-    mpirun -n 2 python3 pytorch/train.py toy   --data out/ref --json out/toy.json
+    mpirun -n 2 python3 pytorch/train.py toy      --data out/ref --json out/toy.json
     python3 pytorch/train.py eval --weights w.safetensors --corpus out/ref/corpus.u32
 
 Launched by mpirun like the lessons (the rank and world size come from
@@ -26,6 +26,7 @@ of each step, and the gradient is the mean over all M, as in the lessons.
          all-reduces and keeps its slice.
 """
 import argparse
+import functools
 import json
 import os
 import resource
@@ -74,7 +75,7 @@ def main():
     adamw = dict(lr=meta["lr"], betas=(meta["beta1"], meta["beta2"]), eps=meta["eps"])
     wd = meta["weight_decay"]
     decayed = [0]  # how many elements AdamW decays, over all ranks: set by the mode
-    modes = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2-ac": lambda *args: fsdp2(*args, recompute=True), "toy": toy}
+    modes = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2-ac": functools.partial(fsdp2, recompute=True), "toy": toy}
     step_fn = modes[a.mode](model, adamw, wd, world, rank, decayed)
 
     losses, seconds, norm = [], [], None
@@ -157,7 +158,9 @@ def fsdp2(model, adamw, wd, world, rank, decayed, recompute=False):
 
     mesh = init_device_mesh("cpu", (world,))
     blocks = model.transformer.h
-    if recompute:  # each block's forward again in its backward, from its input alone
+    # With recompute, each block keeps only its input: its backward runs its forward again (after
+    # FSDP2's pre-backward hook has gathered the block's weights again), then the backward proper.
+    if recompute:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for i, block in enumerate(blocks):

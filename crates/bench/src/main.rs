@@ -306,19 +306,19 @@ fn matmul_rates() -> anyhow::Result<Vec<Value>> {
 
 /// The CPU's single-core f32 FMA peak per path, from the clock /proc/cpuinfo
 /// reports now and the vector width, two FMA units assumed (Zen 2 onwards,
-/// Intel since Haswell): 2 units × lanes × 2 FLOPs per cycle. A Zen 4 (AMD
-/// family 25 with AVX-512) has two 256-bit FMA units and runs a 512-bit FMA
-/// as two halves: its AVX-512 peak is its AVX2 peak.
+/// Intel since Haswell): 2 units × f32 lanes per unit per cycle × 2 FLOPs. A
+/// Zen 4 (AMD family 25 with AVX-512) has two 256-bit FMA units and runs a
+/// 512-bit FMA as two halves: its AVX-512 peak is its AVX2 peak. (Where
+/// AVX-512 has one 512-bit FMA unit, some Intel parts, or a 256-bit
+/// datapath, a mobile Zen 5, the AVX-512 figure is still twice too high.)
 fn fma_peaks() -> Value {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |key: &str| {
-        info.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == key)).and_then(|l| l.split(':').nth(1))
-    };
-    let mhz: f64 = field("cpu MHz").and_then(|v| v.trim().parse().ok()).unwrap_or(0.0);
-    let zen4 = field("vendor_id").is_some_and(|v| v.trim() == "AuthenticAMD")
-        && field("cpu family").is_some_and(|f| f.trim() == "25");
+    let mhz: f64 = cpuinfo_field(&info, "cpu MHz").and_then(|v| v.trim().parse().ok()).unwrap_or(0.0);
+    // Family 25 is Zen 3 and Zen 4; only Zen 4 has AVX-512, the one path this narrows.
+    let amd_family_25 = cpuinfo_field(&info, "vendor_id").is_some_and(|v| v.trim() == "AuthenticAMD")
+        && cpuinfo_field(&info, "cpu family").is_some_and(|f| f.trim() == "25");
     let lanes = |isa: fsdp_gpt::kernels::Isa| match isa {
-        fsdp_gpt::kernels::Isa::Avx512 if zen4 => 8.0,
+        fsdp_gpt::kernels::Isa::Avx512 if amd_family_25 => 8.0,
         fsdp_gpt::kernels::Isa::Avx512 => 16.0,
         fsdp_gpt::kernels::Isa::Avx2 => 8.0,
         fsdp_gpt::kernels::Isa::Portable => 1.0,
@@ -365,7 +365,7 @@ fn matmul_table(j: &Value) -> String {
         .map(|o| o.iter().map(|(k, v)| format!("{k} {:.1}", v.as_f64().unwrap_or(0.0) / 1e9)).collect())
         .unwrap_or_default();
     format!(
-        "{}: the lessons' matmul on one thread, GFLOP/s (best of 5), through every path this CPU runs (in use: {}):\n{}FMA peak at the {:.0} MHz /proc/cpuinfo reports now (2 FMA units × the lanes each fills a cycle × 2 FLOPs): {} GFLOP/s\n",
+        "{}: the lessons' matmul on one thread, GFLOP/s (best of 5), through every path this CPU runs (in use: {}):\n{}FMA peak at the {:.0} MHz /proc/cpuinfo reports now (2 FMA units × f32 lanes per unit per cycle × 2 FLOPs): {} GFLOP/s\n",
         j["cpu"].as_str().unwrap_or("?"),
         j["path"].as_str().unwrap_or("?"),
         t.render(),
@@ -482,12 +482,15 @@ fn table(rows: &[Row], peak: f64) -> String {
 /// all it says, and the same name covers a Zen 3 (family 25) and a Zen 5 (26).
 fn cpu_model() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |key: &str| {
-        info.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == key)).and_then(|l| l.split(':').nth(1))
-    };
+    let field = |key: &str| cpuinfo_field(&info, key);
     let name = field("model name").map_or("unknown".into(), |n| n.trim().to_string());
     let (family, model) = (field("cpu family").unwrap_or("?").trim(), field("model").unwrap_or("?").trim());
     format!("{name} (family {family}, model {model}; {})", fsdp_gpt::kernels::Isa::available()[0].name())
+}
+
+/// The value of the first `key : value` line of /proc/cpuinfo's text (the first CPU's).
+fn cpuinfo_field<'a>(info: &'a str, key: &str) -> Option<&'a str> {
+    info.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == key)).and_then(|l| l.split(':').nth(1))
 }
 
 fn thousands(n: u64) -> String {
