@@ -36,8 +36,7 @@ GROUPS = [
             ("lesson 03 (FSDP, per block)", "step03-layerwise-shard", ["--no-plot"]),
             ("ZeRO-3 (lesson 04, fp32)", "step04-optimizer-state-shard", ["--stage", "3", "--precision", "fp32"]),
         ],
-        # Lesson 03 and ZeRO-3 compute each block's forward again in the backward; FSDP2 keeps
-        # activations unless asked: the second row compares at the same activation policy.
+        # the second at lesson 03's and ZeRO-3's activation policy (the docstring says why)
         [("FSDP2 fully_shard per block", "fsdp2"), ("FSDP2 per block + activation checkpointing", "fsdp2-ac")],
     ),
 ]

@@ -47,8 +47,9 @@ torch.set_num_interop_threads(1)
 
 
 def main():
+    modes = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2-ac": functools.partial(fsdp2, recompute=True), "toy": toy}
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["ddp", "fsdp2", "fsdp2-ac", "toy", "eval"])
+    p.add_argument("mode", choices=[*modes, "eval"])
     p.add_argument("--data", help="a folder fsdp-reference-data wrote")
     p.add_argument("--json", help="rank 0 writes the run's losses, step times and peak RSS here")
     p.add_argument("--port", type=int, default=29500)
@@ -75,7 +76,6 @@ def main():
     adamw = dict(lr=meta["lr"], betas=(meta["beta1"], meta["beta2"]), eps=meta["eps"])
     wd = meta["weight_decay"]
     decayed = [0]  # how many elements AdamW decays, over all ranks: set by the mode
-    modes = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2-ac": functools.partial(fsdp2, recompute=True), "toy": toy}
     step_fn = modes[a.mode](model, adamw, wd, world, rank, decayed)
 
     losses, seconds, norm = [], [], None
