@@ -32,6 +32,7 @@ use half::bf16;
 
 use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, values, widen};
 use super::matmul::Operand;
+use super::softmax::ROWS as SOFTMAX_ROWS;
 
 /// `softmax(q·kᵀ/√hs + causal mask)·v` for each of `n_head` heads, from
 /// `qkv` (B, T, 3C) (q, k, v side by side, heads side by side in each) to
@@ -163,9 +164,7 @@ fn forward_as<T: Calc>(d: Dims, qkv: &[T], with_y: bool, round: impl Fn(&mut [T]
     round(&mut s);
     let scale = 1.0 / (d.hs as f64).sqrt();
     let mut p = vec![T::default(); s.len()];
-    for (r, (x, y)) in s.chunks_exact(t).zip(p.chunks_exact_mut(t)).enumerate() {
-        T::softmax_row(x, y, r % t, scale);
-    }
+    T::softmax_rows(&s, &mut p, t, 0, scale);
     drop(s);
     round(&mut p);
     if !with_y {
@@ -185,10 +184,12 @@ fn backward<T: Calc>(d: Dims, qkv: &[T], p: &[T], dy: &[T], round: impl Fn(&mut 
     let mut ds = T::mm(&dyh, dy, &d.heads(c3, 2 * d.c, true), qkv); // dP = dy·vᵀ
     round(&mut ds);
     let scale = 1.0 / (d.hs as f64).sqrt();
-    let mut g = vec![T::default(); t];
-    for (r, (y, dx)) in p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate() {
+    let rows = SOFTMAX_ROWS * t; // the rows the softmax's backward takes together
+    let mut g = vec![T::default(); rows];
+    for (c, (y, dx)) in p.chunks(rows).zip(ds.chunks_mut(rows)).enumerate() {
+        let g = &mut g[..dx.len()];
         g.copy_from_slice(dx);
-        T::softmax_backward_row(y, &g, dx, r % t, scale); // dS, in place
+        T::softmax_backward_rows(y, g, dx, t, c * SOFTMAX_ROWS % t, scale); // dS, in place
     }
     round(&mut ds);
     let mut dq = T::mm(&d.squares(false), &ds, &d.heads(c3, d.c, false), qkv); // dS·k

@@ -5,7 +5,7 @@ use half::bf16;
 use std::mem::MaybeUninit;
 
 use super::matmul::{Operand, products_f32, products_f64};
-use super::softmax::{backward_f32, backward_f64, forward_f32, forward_f64};
+use super::softmax::{backward_f64, backward_rows_f32, forward_f64, forward_rows_f32};
 
 /// Whether the element-wise loops below, and LayerNorm's, may take AVX2's
 /// eight lanes (the build's baseline, SSE2, has four). The bits cannot differ: without
@@ -111,19 +111,21 @@ pub(super) trait Calc:
     Copy + Default + std::ops::Add<Output = Self> + std::ops::AddAssign + Send + Sync + 'static
 {
     fn mm(a: &Operand, x: &[Self], b: &Operand, y: &[Self]) -> Vec<Self>;
-    fn softmax_row(x: &[Self], y: &mut [Self], i: usize, scale: f64);
-    fn softmax_backward_row(y: &[Self], g: &[Self], dx: &mut [Self], i: usize, scale: f64);
+    /// The causal softmax of whole `t`-long rows, the first of query position `i0`.
+    fn softmax_rows(x: &[Self], y: &mut [Self], t: usize, i0: usize, scale: f64);
+    /// Its backward: `dx` from the output `y` and its gradient `g`, rows as above.
+    fn softmax_backward_rows(y: &[Self], g: &[Self], dx: &mut [Self], t: usize, i0: usize, scale: f64);
 }
 
 impl Calc for f32 {
     fn mm(a: &Operand, x: &[f32], b: &Operand, y: &[f32]) -> Vec<f32> {
         products_f32(a, x, b, y)
     }
-    fn softmax_row(x: &[f32], y: &mut [f32], i: usize, scale: f64) {
-        forward_f32(x, y, i, scale as f32)
+    fn softmax_rows(x: &[f32], y: &mut [f32], t: usize, i0: usize, scale: f64) {
+        forward_rows_f32(x, y, t, i0, scale as f32)
     }
-    fn softmax_backward_row(y: &[f32], g: &[f32], dx: &mut [f32], i: usize, scale: f64) {
-        backward_f32(y, g, dx, i, scale as f32)
+    fn softmax_backward_rows(y: &[f32], g: &[f32], dx: &mut [f32], t: usize, i0: usize, scale: f64) {
+        backward_rows_f32(y, g, dx, t, i0, scale as f32)
     }
 }
 
@@ -131,11 +133,15 @@ impl Calc for f64 {
     fn mm(a: &Operand, x: &[f64], b: &Operand, y: &[f64]) -> Vec<f64> {
         products_f64(a, x, b, y)
     }
-    fn softmax_row(x: &[f64], y: &mut [f64], i: usize, scale: f64) {
-        forward_f64(x, y, i, scale)
+    fn softmax_rows(x: &[f64], y: &mut [f64], t: usize, i0: usize, scale: f64) {
+        for (r, (x, y)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
+            forward_f64(x, y, (i0 + r) % t, scale)
+        }
     }
-    fn softmax_backward_row(y: &[f64], g: &[f64], dx: &mut [f64], i: usize, scale: f64) {
-        backward_f64(y, g, dx, i, scale)
+    fn softmax_backward_rows(y: &[f64], g: &[f64], dx: &mut [f64], t: usize, i0: usize, scale: f64) {
+        for (r, ((y, g), dx)) in y.chunks_exact(t).zip(g.chunks_exact(t)).zip(dx.chunks_exact_mut(t)).enumerate() {
+            backward_f64(y, g, dx, (i0 + r) % t, scale)
+        }
     }
 }
 

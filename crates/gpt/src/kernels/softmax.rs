@@ -14,14 +14,15 @@
 //! ```
 //!
 //! Row `i` of each (T, T) matrix is query position `i`, which sees keys
-//! `0..=i`. Each row's max and sums run over `k = 0, 1, …, i` in order; the
-//! `exp` is glibc's `expf`, so the bits are those of every x86-64 CPU with
-//! AVX2 and FMA under Debian 12's glibc (see the introduction). bf16 rows are widened to
-//! f32, computed in f32 and rounded once; f32 and f64 compute in their own
-//! precision.
+//! `0..=i`. Each row's max and sums run over `k = 0, 1, …, i` in order
+//! (in f32 four rows' sums step side by side, each still its own chain); the
+//! `exp` is glibc's `expf`, four lanes at a time ([`super::expf`], its bits
+//! for every f32), so the bits are those of every x86-64 CPU with AVX2 and
+//! FMA (see the introduction). bf16 rows are widened to f32, computed in f32
+//! and rounded once; f32 and f64 compute in their own precision.
+use super::common::{narrow, widen};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, bail};
-use half::bf16;
 
 /// `softmax(scale · att + causal mask)` over the last dimension; `att` is
 /// (…, T, T). Differentiable.
@@ -81,8 +82,141 @@ macro_rules! row_kernels {
         }
     };
 }
-row_kernels!(forward_f32, backward_f32, f32);
+// f64 runs these row by row; f32 runs the same chains through the row blocks below.
 row_kernels!(forward_f64, backward_f64, f64);
+
+/// How many rows' sums step together in the f32 kernels (as LayerNorm's rows).
+pub(super) const ROWS: usize = 4;
+
+/// `t`-long rows, `x` and `y` whole rows back to back, the first of query
+/// position `i0`: `ROWS` rows at a time, `f(rows' x, rows' y, first row's i)`.
+#[inline(always)]
+fn blocks<'a, A, B>(x: &'a [A], y: &'a mut [B], t: usize, i0: usize, mut f: impl FnMut(&'a [A], &'a mut [B], usize)) {
+    for (b, (x, y)) in x.chunks(ROWS * t).zip(y.chunks_mut(ROWS * t)).enumerate() {
+        f(x, y, i0 + b * ROWS);
+    }
+}
+
+/// The visible part of each of `R` rows summed in place order (`k = 0, 1, …`),
+/// the rows' chains side by side: the bits of summing each row alone.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // k walks every row's elements at once: rows[r][k]
+fn sums<const R: usize>(rows: [&[f32]; R], mut term: impl FnMut(usize, usize) -> f32) -> [f32; R] {
+    let mut sum = [0f32; R];
+    let common = rows.iter().map(|r| r.len()).min().unwrap_or(0);
+    for k in 0..common {
+        for r in 0..R {
+            sum[r] += term(r, k);
+        }
+    }
+    for r in 0..R {
+        for k in common..rows[r].len() {
+            sum[r] += term(r, k);
+        }
+    }
+    sum
+}
+
+/// The largest of `scale · x[k]`: eight running maxima, then the largest of
+/// them. A max is exact, so any order gives the same value (a ±0 tie can
+/// differ in sign, which no `v · scale − max` below can tell apart), and
+/// `f32::max` skips NaN in every order.
+#[inline(always)]
+fn row_max(x: &[f32], scale: f32) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        lanes.iter_mut().zip(c).for_each(|(m, &v)| *m = m.max(v * scale));
+    }
+    chunks.remainder().iter().fold(lanes.into_iter().fold(f32::NEG_INFINITY, f32::max), |m, &v| m.max(v * scale))
+}
+
+/// The f32 forward on whole rows (`x`, `y`: rows of length `t`, the first
+/// of query position `i0`): per row `exp(s·x − max)` over the visible keys,
+/// then [`ROWS`] rows' sums side by side, then the divides. Each row's max,
+/// exps, sum and quotients are [`forward_f64`]'s chain in f32 (the tests
+/// hold the bits to a row-at-a-time f32 version); only independent rows
+/// overlap. `exp` is glibc's `expf`, in [`super::expf`]'s lanes on CPUs
+/// with AVX2 and FMA.
+pub(super) fn forward_rows_f32(x: &[f32], y: &mut [f32], t: usize, i0: usize, scale: f32) {
+    #[inline(always)]
+    fn each(x: &[f32], y: &mut [f32], t: usize, i0: usize, scale: f32, exp: impl Fn(&mut [f32])) {
+        blocks(x, y, t, i0, |x, y, first| {
+            let mut vis = [0usize; ROWS]; // visible keys per row: i + 1
+            for (r, (x, y)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
+                let n = (first + r) % t + 1;
+                let max = row_max(&x[..n], scale);
+                y[..n].iter_mut().zip(&x[..n]).for_each(|(y, &v)| *y = v * scale - max);
+                exp(&mut y[..n]);
+                y[n..].fill(0.0);
+                vis[r] = n;
+            }
+            let rows = y.len() / t;
+            let mut sum = [0f32; ROWS];
+            if rows == ROWS {
+                sum = sums::<ROWS>(std::array::from_fn(|r| &y[r * t..][..vis[r]]), |r, k| y[r * t + k]);
+            } else {
+                for r in 0..rows {
+                    sum[r] = sums::<1>([&y[r * t..][..vis[r]]], |_, k| y[r * t + k])[0];
+                }
+            }
+            for (r, y) in y.chunks_exact_mut(t).enumerate() {
+                y[..vis[r]].iter_mut().for_each(|y| *y /= sum[r]);
+            }
+        });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::expf::fma() {
+        #[target_feature(enable = "avx2,fma")]
+        fn on_fma(x: &[f32], y: &mut [f32], t: usize, i0: usize, scale: f32) {
+            each(x, y, t, i0, scale, |v| super::expf::exp_in_place_fma(v))
+        }
+        // SAFETY: the CPU has AVX2 and FMA (detected).
+        return unsafe { on_fma(x, y, t, i0, scale) };
+    }
+    each(x, y, t, i0, scale, super::expf::exp_in_place)
+}
+
+/// The f32 backward on whole rows, as [`forward_rows_f32`]: each row's
+/// `Σ g·y` (the chain of [`backward_f64`]) side by side with its block's
+/// other rows', then `dx = s · y · (g − dot)`.
+pub(super) fn backward_rows_f32(y: &[f32], g: &[f32], dx: &mut [f32], t: usize, i0: usize, scale: f32) {
+    #[inline(always)]
+    fn each(y: &[f32], g: &[f32], dx: &mut [f32], t: usize, i0: usize, scale: f32) {
+        let mut done = 0;
+        blocks(y, dx, t, i0, |y, dx, first| {
+            let g = &g[done..][..y.len()];
+            done += y.len();
+            let rows = y.len() / t;
+            let vis: [usize; ROWS] = std::array::from_fn(|r| (first + r) % t + 1);
+            let mut dot = [0f32; ROWS];
+            if rows == ROWS {
+                dot = sums::<ROWS>(std::array::from_fn(|r| &y[r * t..][..vis[r]]), |r, k| g[r * t + k] * y[r * t + k]);
+            } else {
+                for r in 0..rows {
+                    dot[r] = sums::<1>([&y[r * t..][..vis[r]]], |_, k| g[r * t + k] * y[r * t + k])[0];
+                }
+            }
+            for (r, ((dx, y), g)) in dx.chunks_exact_mut(t).zip(y.chunks_exact(t)).zip(g.chunks_exact(t)).enumerate() {
+                let n = vis[r];
+                dx[..n].iter_mut().zip(&y[..n]).zip(&g[..n]).for_each(|((dx, &y), &g)| *dx = scale * y * (g - dot[r]));
+                dx[n..].fill(0.0);
+            }
+        });
+    }
+    match super::common::avx2() {
+        #[cfg(target_arch = "x86_64")]
+        true => {
+            #[target_feature(enable = "avx2")]
+            fn on_avx2(y: &[f32], g: &[f32], dx: &mut [f32], t: usize, i0: usize, scale: f32) {
+                each(y, g, dx, t, i0, scale)
+            }
+            // SAFETY: the CPU has AVX2 (detected).
+            unsafe { on_avx2(y, g, dx, t, i0, scale) }
+        }
+        _ => each(y, g, dx, t, i0, scale),
+    }
+}
 
 /// Every row of `t`-long rows, by query position.
 fn each_row(len: usize, t: usize, mut f: impl FnMut(std::ops::Range<usize>, usize)) {
@@ -101,8 +235,8 @@ impl CustomOp1 for CausalSoftmax {
         let n = range.len();
         let out = match s {
             CpuStorage::F32(x) => {
-                let (x, mut y) = (&x[range], vec![0f32; n]);
-                each_row(n, t, |r, i| forward_f32(&x[r.clone()], &mut y[r], i, self.scale as f32));
+                let mut y = vec![0f32; n];
+                forward_rows_f32(&x[range], &mut y, t, 0, self.scale as f32);
                 CpuStorage::F32(y)
             }
             CpuStorage::F64(x) => {
@@ -111,14 +245,9 @@ impl CustomOp1 for CausalSoftmax {
                 CpuStorage::F64(y)
             }
             CpuStorage::BF16(x) => {
-                let (x, mut y) = (&x[range], vec![bf16::ZERO; n]);
-                let (mut wide, mut out) = (vec![0f32; t], vec![0f32; t]); // one row at a time
-                each_row(n, t, |r, i| {
-                    wide.iter_mut().zip(&x[r.clone()]).for_each(|(w, &v)| *w = v.to_f32());
-                    forward_f32(&wide, &mut out, i, self.scale as f32);
-                    y[r].iter_mut().zip(&out).for_each(|(y, &v)| *y = bf16::from_f32(v));
-                });
-                CpuStorage::BF16(y)
+                let mut y = vec![0f32; n];
+                forward_rows_f32(&widen(&x[range]), &mut y, t, 0, self.scale as f32);
+                CpuStorage::BF16(narrow(y))
             }
             _ => bail!("causal_softmax supports f32, bf16 and f64, got {:?}", s.dtype()),
         };
@@ -144,8 +273,8 @@ impl CustomOp2 for CausalSoftmaxBackward {
         let n = ry.len();
         let out = match (s1, s2) {
             (CpuStorage::F32(y), CpuStorage::F32(g)) => {
-                let (y, g, mut dx) = (&y[ry], &g[rg], vec![0f32; n]);
-                each_row(n, t, |r, i| backward_f32(&y[r.clone()], &g[r.clone()], &mut dx[r], i, self.scale as f32));
+                let mut dx = vec![0f32; n];
+                backward_rows_f32(&y[ry], &g[rg], &mut dx, t, 0, self.scale as f32);
                 CpuStorage::F32(dx)
             }
             (CpuStorage::F64(y), CpuStorage::F64(g)) => {
@@ -154,15 +283,9 @@ impl CustomOp2 for CausalSoftmaxBackward {
                 CpuStorage::F64(dx)
             }
             (CpuStorage::BF16(y), CpuStorage::BF16(g)) => {
-                let (y, g, mut dx) = (&y[ry], &g[rg], vec![bf16::ZERO; n]);
-                let (mut wy, mut wg, mut out) = (vec![0f32; t], vec![0f32; t], vec![0f32; t]);
-                each_row(n, t, |r, i| {
-                    wy.iter_mut().zip(&y[r.clone()]).for_each(|(w, &v)| *w = v.to_f32());
-                    wg.iter_mut().zip(&g[r.clone()]).for_each(|(w, &v)| *w = v.to_f32());
-                    backward_f32(&wy, &wg, &mut out, i, self.scale as f32);
-                    dx[r].iter_mut().zip(&out).for_each(|(d, &v)| *d = bf16::from_f32(v));
-                });
-                CpuStorage::BF16(dx)
+                let mut dx = vec![0f32; n];
+                backward_rows_f32(&widen(&y[ry]), &widen(&g[rg]), &mut dx, t, 0, self.scale as f32);
+                CpuStorage::BF16(narrow(dx))
             }
             _ => bail!("causal_softmax backward: unsupported dtypes {:?}, {:?}", s1.dtype(), s2.dtype()),
         };
@@ -175,6 +298,7 @@ mod tests {
     use super::super::common::testing::{max_diff, random};
     use super::*;
     use candle_core::{D, DType, Device, Var};
+    use half::bf16;
 
     /// nanoGPT's three ops, composed from candle's: scale, mask with −∞, softmax.
     fn composite(att: &Tensor, scale: f64) -> Tensor {
@@ -227,6 +351,42 @@ mod tests {
             };
             let numeric = (at(h) - at(-h)) / (2.0 * h);
             assert!((a - numeric).abs() < 1e-7, "element {k}: analytic {a}, numeric {numeric}");
+        }
+    }
+
+    // The definition the f32 row blocks keep: one row at a time, glibc's `expf` per element.
+    row_kernels!(one_row_f32, one_row_backward_f32, f32);
+
+    /// Row blocks against one row at a time, bit for bit, forward and
+    /// backward: T not a multiple of the block (a block spans two matrices),
+    /// a start inside a matrix, rows longer than the exp's lanes and one
+    /// with a −∞ score (a masked key of another kind) and a huge one (the
+    /// exp's slow path).
+    #[test]
+    fn row_blocks_give_the_bits_of_one_row_at_a_time() {
+        for (t, i0, mats) in [(64, 0, 3), (7, 0, 4), (13, 5, 2), (1, 0, 3), (130, 0, 1)] {
+            let n = t * t * mats - i0 * t;
+            let mut x: Vec<f32> = (0..n).map(|k| ((k * 7919 % 1009) as f32 / 1009.0 - 0.5) * 9.0).collect();
+            let g: Vec<f32> = (0..n).map(|k| ((k * 104729 % 997) as f32 / 997.0 - 0.5) * 2.0).collect();
+            if n > 3 * t {
+                x[3 * t] = f32::NEG_INFINITY;
+                x[3 * t + t / 2] = 1e30;
+            }
+            let (mut rows, mut one) = (vec![9f32; n], vec![9f32; n]);
+            forward_rows_f32(&x, &mut rows, t, i0, 0.3);
+            for (r, (x, y)) in x.chunks_exact(t).zip(one.chunks_exact_mut(t)).enumerate() {
+                one_row_f32(x, y, (i0 + r) % t, 0.3);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&rows), bits(&one), "forward, T = {t}, from row {i0}");
+            let (mut drows, mut done) = (vec![9f32; n], vec![9f32; n]);
+            backward_rows_f32(&one, &g, &mut drows, t, i0, 0.3);
+            for (r, ((y, g), dx)) in
+                one.chunks_exact(t).zip(g.chunks_exact(t)).zip(done.chunks_exact_mut(t)).enumerate()
+            {
+                one_row_backward_f32(y, g, dx, (i0 + r) % t, 0.3);
+            }
+            assert_eq!(bits(&drows), bits(&done), "backward, T = {t}, from row {i0}");
         }
     }
 

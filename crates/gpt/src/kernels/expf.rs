@@ -1,0 +1,164 @@
+//! glibc's `expf`, four lanes at a time, bit for bit.
+//!
+//! The softmax's `exp` is glibc's `expf` (what `f32::exp` calls), one call
+//! per element: 4–5 ns each, most of the causal softmax's time. glibc's
+//! algorithm (sysdeps/ieee754/flt-32/e_expf.c, from Arm's optimized
+//! routines) is a handful of f64 operations on a 32-entry table, so it runs
+//! as well in four f64 lanes — and, done in the same operations, rounds the
+//! same. On a CPU with FMA glibc runs its `-mfma` build, where the compiler
+//! fused three multiply-adds and `r = z − kd` into one (`r = InvLn2N·x − kd`);
+//! the lanes below fuse exactly those. A test runs every f32 through both and
+//! compares the bits; without AVX2 and FMA each element goes to `f32::exp`.
+//!
+//! ```text
+//! z  = x · 32/ln 2           k = round(z) (ties to even, by adding 1.5·2⁵²)
+//! r  = z − k  ∈ [−½, ½]      s = 2^(k/32) = table[k mod 32] with k/32 added to its exponent
+//! eˣ ≈ s · (1 + C₂r + C₁r² + C₀r³), rounded once to f32
+//! ```
+
+/// `2^(i/32)` as f64 bits, less `i << 47` so that adding `k << 47` both
+/// restores the entry and puts `k / 32` into its exponent (glibc's table).
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+const TABLE: [u64; 32] = [
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
+    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
+    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
+    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
+    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
+    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
+    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540,
+];
+
+/// 32 / ln 2 (glibc's `0x1.71547652b82fep+0 · N`).
+#[cfg(target_arch = "x86_64")]
+const INV_LN2_N: f64 = f64::from_bits(0x3ff71547652b82fe) * 32.0;
+/// 1.5 · 2⁵²: adding it rounds an f64 below 2⁵¹ to an integer, ties to even.
+#[cfg(target_arch = "x86_64")]
+const SHIFT: f64 = f64::from_bits(0x4338000000000000);
+/// The cubic's coefficients, scaled by 32⁻³, 32⁻², 32⁻¹ (exact: powers of two)
+/// from glibc's 0x1.c6af84b912394p-5, 0x1.ebfce50fac4f3p-3, 0x1.62e42ff0c52d6p-1.
+#[cfg(target_arch = "x86_64")]
+const C: [f64; 3] = [
+    f64::from_bits(0x3fac6af84b912394) / 32768.0,
+    f64::from_bits(0x3fcebfce50fac4f3) / 1024.0,
+    f64::from_bits(0x3fe62e42ff0c52d6) / 32.0,
+];
+
+/// `v[j] = expf(v[j])` for every element: glibc's bits.
+pub(super) fn exp_in_place(v: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if fma() {
+        // SAFETY: the CPU has AVX2 and FMA (detected).
+        return unsafe { exp_in_place_fma(v) };
+    }
+    v.iter_mut().for_each(|x| *x = x.exp());
+}
+
+/// Whether the lanes below may run: AVX2 and FMA (every CPU the project's
+/// bits are promised on has both).
+#[inline(always)]
+pub(super) fn fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    #[allow(unreachable_code)]
+    false
+}
+
+/// [`exp_in_place`] in four f64 lanes. Inputs of magnitude 88 or more (and
+/// NaN), where glibc leaves its fast path, go to `f32::exp` four at a time;
+/// the tail shorter than four too.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn exp_in_place_fma(v: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut quads = v.chunks_exact_mut(4);
+    for q in &mut quads {
+        // SAFETY: `q` holds four f32.
+        let x = unsafe { _mm_loadu_ps(q.as_ptr()) };
+        // glibc's test: the top 12 bits of |x| at or above 88.0's (0x42b).
+        let big = _mm_cmpgt_epi32(
+            _mm_and_si128(_mm_castps_si128(x), _mm_set1_epi32(0x7fff_ffff)),
+            _mm_set1_epi32(0x42af_ffff),
+        );
+        if _mm_movemask_epi8(big) != 0 {
+            q.iter_mut().for_each(|x| *x = x.exp());
+            continue;
+        }
+        let xd = _mm256_cvtps_pd(x); // exact
+        let inv = _mm256_set1_pd(INV_LN2_N);
+        let shift = _mm256_set1_pd(SHIFT);
+        let kd = _mm256_fmadd_pd(inv, xd, shift); // round(z) + SHIFT, z = x·32/ln 2
+        let ki = _mm256_castpd_si256(kd); // its low bits: k
+        let kd = _mm256_sub_pd(kd, shift);
+        let r = _mm256_fmsub_pd(inv, xd, kd); // z − k, z not rounded first (glibc's fused build)
+        let i = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+        // SAFETY: every index is below 32, TABLE's length.
+        let t = unsafe { _mm256_i64gather_epi64::<8>(TABLE.as_ptr().cast(), i) };
+        let s = _mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_slli_epi64::<47>(ki))); // 2^(k/32)
+        let z = _mm256_fmadd_pd(_mm256_set1_pd(C[0]), r, _mm256_set1_pd(C[1]));
+        let r2 = _mm256_mul_pd(r, r);
+        let y = _mm256_fmadd_pd(_mm256_set1_pd(C[2]), r, _mm256_set1_pd(1.0));
+        let y = _mm256_mul_pd(_mm256_fmadd_pd(z, r2, y), s);
+        // SAFETY: `q` holds four f32.
+        unsafe { _mm_storeu_ps(q.as_mut_ptr(), _mm256_cvtpd_ps(y)) }; // rounded once, to nearest
+    }
+    quads.into_remainder().iter_mut().for_each(|x| *x = x.exp());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every one of the 2³² f32 bit patterns, through the lanes and through
+    /// `f32::exp` (glibc's `expf`): the same bits, NaNs included.
+    #[test]
+    fn every_f32_gives_glibcs_bits() {
+        if !fma() {
+            eprintln!("no AVX2 and FMA here: exp_in_place is f32::exp itself");
+            return;
+        }
+        let (mut differ, mut first) = (0u64, None);
+        let mut v = vec![0f32; 1 << 16];
+        for hi in 0u32..1 << 16 {
+            v.iter_mut().enumerate().for_each(|(lo, x)| *x = f32::from_bits(hi << 16 | lo as u32));
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            unsafe { exp_in_place_fma(&mut v) };
+            for lo in 0..1u32 << 16 {
+                let x = f32::from_bits(hi << 16 | lo);
+                if v[lo as usize].to_bits() != x.exp().to_bits() {
+                    differ += 1;
+                    first.get_or_insert((x, x.exp(), v[lo as usize]));
+                }
+            }
+        }
+        assert_eq!(differ, 0, "first (x, glibc, lanes): {first:?}");
+    }
+
+    /// The fast path's edges: ±88's neighbours, the underflow to 0 and
+    /// subnormals, ±∞, a tail shorter than four.
+    #[test]
+    fn edges_and_tails() {
+        let mut v = vec![
+            -87.99999f32,
+            -88.0,
+            88.0,
+            87.99999,
+            -103.9,
+            -104.0,
+            -100.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+        ];
+        let want: Vec<u32> = v.iter().map(|x| x.exp().to_bits()).collect();
+        exp_in_place(&mut v);
+        assert_eq!(v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
+        assert_eq!((v[5], v[7]), (0.0, 0.0), "below the least subnormal");
+        assert!(v[6] > 0.0 && v[6] < f32::MIN_POSITIVE, "a subnormal: {}", v[6]);
+    }
+}
