@@ -19,6 +19,16 @@ pub(super) fn avx2() -> bool {
     false
 }
 
+/// Whether glibc's `expf` may run in lanes ([`super::expf`]): AVX2 and FMA,
+/// which glibc's own choice of its FMA build asks for too.
+#[inline(always)]
+pub(super) fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return avx2() && std::arch::is_x86_feature_detected!("fma");
+    #[allow(unreachable_code)]
+    false
+}
+
 /// `f` on every element of `x`: SIMD-wide where the CPU has AVX2.
 #[inline(always)]
 pub(super) fn map_f32(x: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {

@@ -1,14 +1,18 @@
-//! glibc's `expf`, four lanes at a time, bit for bit.
+//! Debian 12's glibc `expf`, four lanes at a time, bit for bit.
 //!
 //! The softmax's `exp` is glibc's `expf` (what `f32::exp` calls), one call
 //! per element: 4–5 ns each, most of the causal softmax's time. glibc's
 //! algorithm (sysdeps/ieee754/flt-32/e_expf.c, from Arm's optimized
 //! routines) is a handful of f64 operations on a 32-entry table, so it runs
 //! as well in four f64 lanes — and, done in the same operations, rounds the
-//! same. On a CPU with FMA glibc runs its `-mfma` build, where the compiler
-//! fused three multiply-adds and `r = z − kd` into one (`r = InvLn2N·x − kd`);
-//! the lanes below fuse exactly those. A test runs every f32 through both and
-//! compares the bits; without AVX2 and FMA each element goes to `f32::exp`.
+//! same. On a CPU with AVX2 and FMA glibc 2.36 runs its `-mfma` build, where
+//! the compiler fused five multiply-adds: `kd = InvLn2N·x + SHIFT`,
+//! `r = InvLn2N·x − kd` (z never rounded on its own) and three in the cubic;
+//! the lanes below fuse exactly those. Where glibc leaves that fast path
+//! (|x| ≥ 88, NaN), and for a tail shorter than four, the lanes call
+//! `f32::exp` itself. A test runs every f32 through the lanes and through the
+//! machine's `f32::exp` and compares the bits (all equal under Debian 12's
+//! glibc); without AVX2 and FMA each element goes to `f32::exp`.
 //!
 //! ```text
 //! z  = x · 32/ln 2           k = round(z) (ties to even, by adding 1.5·2⁵²)
@@ -46,24 +50,10 @@ const C: [f64; 3] = [
     f64::from_bits(0x3fe62e42ff0c52d6) / 32.0,
 ];
 
-/// `v[j] = expf(v[j])` for every element: glibc's bits.
+/// `v[j] = f32::exp(v[j])` for every element, one at a time: where the CPU
+/// lacks AVX2 or FMA (glibc's own choice there is its build without FMA).
 pub(super) fn exp_in_place(v: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if fma() {
-        // SAFETY: the CPU has AVX2 and FMA (detected).
-        return unsafe { exp_in_place_fma(v) };
-    }
     v.iter_mut().for_each(|x| *x = x.exp());
-}
-
-/// Whether the lanes below may run: AVX2 and FMA (every CPU the project's
-/// bits are promised on has both).
-#[inline(always)]
-pub(super) fn fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
-    #[allow(unreachable_code)]
-    false
 }
 
 /// [`exp_in_place`] in four f64 lanes. Inputs of magnitude 88 or more (and
@@ -107,58 +97,61 @@ pub(super) fn exp_in_place_fma(v: &mut [f32]) {
     quads.into_remainder().iter_mut().for_each(|x| *x = x.exp());
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
+    use super::super::common::avx2_fma;
     use super::*;
 
     /// Every one of the 2³² f32 bit patterns, through the lanes and through
-    /// `f32::exp` (glibc's `expf`): the same bits, NaNs included.
+    /// `f32::exp` (glibc's `expf`): the same bits, NaNs included. Two threads,
+    /// each half of the patterns (about 20 s of CPU in all).
     #[test]
     fn every_f32_gives_glibcs_bits() {
-        if !fma() {
-            eprintln!("no AVX2 and FMA here: exp_in_place is f32::exp itself");
-            return;
-        }
-        let (mut differ, mut first) = (0u64, None);
-        let mut v = vec![0f32; 1 << 16];
-        for hi in 0u32..1 << 16 {
-            v.iter_mut().enumerate().for_each(|(lo, x)| *x = f32::from_bits(hi << 16 | lo as u32));
-            // SAFETY: the CPU has AVX2 and FMA (checked above).
-            unsafe { exp_in_place_fma(&mut v) };
-            for lo in 0..1u32 << 16 {
-                let x = f32::from_bits(hi << 16 | lo);
-                if v[lo as usize].to_bits() != x.exp().to_bits() {
-                    differ += 1;
-                    first.get_or_insert((x, x.exp(), v[lo as usize]));
+        assert!(avx2_fma(), "the lanes need AVX2 and FMA, which every CPU the project's bits are promised on has");
+        let half = |top: u32| {
+            let (mut differ, mut first) = (0u64, None);
+            let mut v = vec![0f32; 1 << 16];
+            for hi in (top << 15)..((top + 1) << 15) {
+                v.iter_mut().enumerate().for_each(|(lo, x)| *x = f32::from_bits(hi << 16 | lo as u32));
+                // SAFETY: the CPU has AVX2 and FMA (asserted above).
+                unsafe { exp_in_place_fma(&mut v) };
+                for (lo, &got) in v.iter().enumerate() {
+                    let x = f32::from_bits(hi << 16 | lo as u32);
+                    if got.to_bits() != x.exp().to_bits() {
+                        differ += 1;
+                        first.get_or_insert((x, x.exp(), got));
+                    }
                 }
             }
-        }
-        assert_eq!(differ, 0, "first (x, glibc, lanes): {first:?}");
+            (differ, first)
+        };
+        let (a, b) = std::thread::scope(|s| {
+            let low = s.spawn(|| half(0));
+            (half(1), low.join().expect("the other half ran"))
+        });
+        assert_eq!(a.0 + b.0, 0, "first (x, glibc, lanes): {:?}", a.1.or(b.1));
     }
 
-    /// The fast path's edges: ±88's neighbours, the underflow to 0 and
-    /// subnormals, ±∞, a tail shorter than four.
+    /// The fast path's edges, four at a time so that the lanes compute them
+    /// (a quad holding |x| ≥ 88 goes to `f32::exp` whole): just inside ±88,
+    /// subnormal results (x below −87.34), ±0 and tiny x; then a quad with
+    /// −88 in it, and a tail of three.
     #[test]
+    #[rustfmt::skip]
     fn edges_and_tails() {
         let mut v = vec![
-            -87.99999f32,
-            -88.0,
-            88.0,
-            87.99999,
-            -103.9,
-            -104.0,
-            -100.0,
-            f32::NEG_INFINITY,
-            f32::INFINITY,
-            0.0,
-            -0.0,
-            1e-30,
-            -1e-30,
+            -87.99999f32, 87.99999, 0.0, -0.0, // the lanes
+            -87.5, -87.4, 1e-30, -1e-30, // the lanes: two subnormal results
+            -88.0, -100.0, f32::NEG_INFINITY, 1.0, // f32::exp, all four
+            -3.0, 2.0, 0.5, // the tail
         ];
         let want: Vec<u32> = v.iter().map(|x| x.exp().to_bits()).collect();
-        exp_in_place(&mut v);
+        assert!(avx2_fma(), "the lanes need AVX2 and FMA");
+        // SAFETY: the CPU has AVX2 and FMA (asserted above).
+        unsafe { exp_in_place_fma(&mut v) };
         assert_eq!(v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
-        assert_eq!((v[5], v[7]), (0.0, 0.0), "below the least subnormal");
-        assert!(v[6] > 0.0 && v[6] < f32::MIN_POSITIVE, "a subnormal: {}", v[6]);
+        assert!(v[4] > 0.0 && v[4] < f32::MIN_POSITIVE, "a subnormal from the lanes: {}", v[4]);
+        assert!(v[5] > 0.0 && v[5] < f32::MIN_POSITIVE, "a subnormal from the lanes: {}", v[5]);
+        assert_eq!((v[2], v[3], v[10]), (1.0, 1.0, 0.0));
     }
 }

@@ -16,13 +16,14 @@
 //! Row `i` of each (T, T) matrix is query position `i`, which sees keys
 //! `0..=i`. Each row's max and sums run over `k = 0, 1, …, i` in order
 //! (in f32 four rows' sums step side by side, each still its own chain); the
-//! `exp` is glibc's `expf`, four lanes at a time ([`super::expf`], its bits
-//! for every f32), so the bits are those of every x86-64 CPU with AVX2 and
-//! FMA (see the introduction). bf16 rows are widened to f32, computed in f32
+//! `exp` is glibc's `expf`, four lanes at a time where glibc takes its fast
+//! path ([`super::expf`], the bits of Debian 12's glibc), so the bits are
+//! those of every x86-64 CPU with AVX2 and FMA under Debian 12's glibc (see
+//! the introduction). bf16 rows are widened to f32, computed in f32
 //! and rounded once; f32 and f64 compute in their own precision.
-use super::common::{narrow, widen};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, bail};
+use half::bf16;
 
 /// `softmax(scale · att + causal mask)` over the last dimension; `att` is
 /// (…, T, T). Differentiable.
@@ -85,42 +86,46 @@ macro_rules! row_kernels {
 // f64 runs these row by row; f32 runs the same chains through the row blocks below.
 row_kernels!(forward_f64, backward_f64, f64);
 
-/// How many rows' sums step together in the f32 kernels (as LayerNorm's rows).
+/// How many rows' sums step together in the f32 kernels, as LayerNorm's
+/// rows do (eight there; four here, where rows are short and ragged).
 pub(super) const ROWS: usize = 4;
 
-/// `t`-long rows, `x` and `y` whole rows back to back, the first of query
-/// position `i0`: `ROWS` rows at a time, `f(rows' x, rows' y, first row's i)`.
-#[inline(always)]
-fn blocks<'a, A, B>(x: &'a [A], y: &'a mut [B], t: usize, i0: usize, mut f: impl FnMut(&'a [A], &'a mut [B], usize)) {
-    for (b, (x, y)) in x.chunks(ROWS * t).zip(y.chunks_mut(ROWS * t)).enumerate() {
-        f(x, y, i0 + b * ROWS);
-    }
+/// The blocks of `ROWS` rows (the last may have fewer) of `len` elements of
+/// `t`-long rows, the first row of query position `i0`: each block's range,
+/// and how many keys each of its rows sees (`i + 1`; 0 past the last row).
+fn blocks(len: usize, t: usize, i0: usize) -> impl Iterator<Item = (std::ops::Range<usize>, [usize; ROWS])> {
+    (0..len).step_by(ROWS * t).map(move |at| {
+        let (range, first) = (at..len.min(at + ROWS * t), i0 + at / t);
+        let rows = range.len() / t;
+        (range, std::array::from_fn(|r| if r < rows { (first + r) % t + 1 } else { 0 }))
+    })
 }
 
-/// The visible part of each of `R` rows summed in place order (`k = 0, 1, …`),
-/// the rows' chains side by side: the bits of summing each row alone.
+/// For each row `r`, `term(r, 0) + term(r, 1) + …` over its `len[r]` terms,
+/// added in that order from 0 — the rows' chains side by side while every
+/// row has terms left, then each row's rest: the bits of summing each row
+/// alone, with the additions of different rows overlapping.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // k walks every row's elements at once: rows[r][k]
-fn sums<const R: usize>(rows: [&[f32]; R], mut term: impl FnMut(usize, usize) -> f32) -> [f32; R] {
-    let mut sum = [0f32; R];
-    let common = rows.iter().map(|r| r.len()).min().unwrap_or(0);
+fn sums(len: [usize; ROWS], term: impl Fn(usize, usize) -> f32) -> [f32; ROWS] {
+    let mut sum = [0f32; ROWS];
+    let common = len.into_iter().min().unwrap_or(0);
     for k in 0..common {
-        for r in 0..R {
-            sum[r] += term(r, k);
+        for (r, s) in sum.iter_mut().enumerate() {
+            *s += term(r, k);
         }
     }
-    for r in 0..R {
-        for k in common..rows[r].len() {
-            sum[r] += term(r, k);
+    for (r, s) in sum.iter_mut().enumerate() {
+        for k in common..len[r] {
+            *s += term(r, k);
         }
     }
     sum
 }
 
 /// The largest of `scale · x[k]`: eight running maxima, then the largest of
-/// them. A max is exact, so any order gives the same value (a ±0 tie can
-/// differ in sign, which no `v · scale − max` below can tell apart), and
-/// `f32::max` skips NaN in every order.
+/// them. A max is exact, so any order gives the same value, but for the sign
+/// of a ±0 tie, which the exp of `v · scale − max` cannot tell apart
+/// (e^±0 = 1); `f32::max` skips NaN in every order.
 #[inline(always)]
 fn row_max(x: &[f32], scale: f32) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 8];
@@ -128,45 +133,36 @@ fn row_max(x: &[f32], scale: f32) -> f32 {
     for c in &mut chunks {
         lanes.iter_mut().zip(c).for_each(|(m, &v)| *m = m.max(v * scale));
     }
-    chunks.remainder().iter().fold(lanes.into_iter().fold(f32::NEG_INFINITY, f32::max), |m, &v| m.max(v * scale))
+    let max = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
+    chunks.remainder().iter().fold(max, |m, &v| m.max(v * scale))
 }
 
 /// The f32 forward on whole rows (`x`, `y`: rows of length `t`, the first
 /// of query position `i0`): per row `exp(s·x − max)` over the visible keys,
-/// then [`ROWS`] rows' sums side by side, then the divides. Each row's max,
-/// exps, sum and quotients are [`forward_f64`]'s chain in f32 (the tests
-/// hold the bits to a row-at-a-time f32 version); only independent rows
-/// overlap. `exp` is glibc's `expf`, in [`super::expf`]'s lanes on CPUs
-/// with AVX2 and FMA.
+/// then [`ROWS`] rows' sums side by side, then the divides. Each row's exps,
+/// sum and quotients are the one-row kernel's (`row_kernels!`) chain in f32,
+/// its max the same value (the tests hold the bits to the one-row kernel);
+/// only independent rows overlap. `exp` is glibc's `expf`, in
+/// [`super::expf`]'s lanes on CPUs with AVX2 and FMA.
 pub(super) fn forward_rows_f32(x: &[f32], y: &mut [f32], t: usize, i0: usize, scale: f32) {
     #[inline(always)]
     fn each(x: &[f32], y: &mut [f32], t: usize, i0: usize, scale: f32, exp: impl Fn(&mut [f32])) {
-        blocks(x, y, t, i0, |x, y, first| {
-            let mut vis = [0usize; ROWS]; // visible keys per row: i + 1
-            for (r, (x, y)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
-                let n = (first + r) % t + 1;
+        for (range, vis) in blocks(x.len(), t, i0) {
+            let (x, y) = (&x[range.clone()], &mut y[range]);
+            for ((x, y), &n) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).zip(&vis) {
                 let max = row_max(&x[..n], scale);
                 y[..n].iter_mut().zip(&x[..n]).for_each(|(y, &v)| *y = v * scale - max);
                 exp(&mut y[..n]);
                 y[n..].fill(0.0);
-                vis[r] = n;
             }
-            let rows = y.len() / t;
-            let mut sum = [0f32; ROWS];
-            if rows == ROWS {
-                sum = sums::<ROWS>(std::array::from_fn(|r| &y[r * t..][..vis[r]]), |r, k| y[r * t + k]);
-            } else {
-                for r in 0..rows {
-                    sum[r] = sums::<1>([&y[r * t..][..vis[r]]], |_, k| y[r * t + k])[0];
-                }
+            let sum = sums(vis, |r, k| y[r * t + k]);
+            for ((y, &n), sum) in y.chunks_exact_mut(t).zip(&vis).zip(sum) {
+                y[..n].iter_mut().for_each(|y| *y /= sum);
             }
-            for (r, y) in y.chunks_exact_mut(t).enumerate() {
-                y[..vis[r]].iter_mut().for_each(|y| *y /= sum[r]);
-            }
-        });
+        }
     }
     #[cfg(target_arch = "x86_64")]
-    if super::expf::fma() {
+    if super::common::avx2_fma() {
         #[target_feature(enable = "avx2,fma")]
         fn on_fma(x: &[f32], y: &mut [f32], t: usize, i0: usize, scale: f32) {
             each(x, y, t, i0, scale, |v| super::expf::exp_in_place_fma(v))
@@ -178,31 +174,20 @@ pub(super) fn forward_rows_f32(x: &[f32], y: &mut [f32], t: usize, i0: usize, sc
 }
 
 /// The f32 backward on whole rows, as [`forward_rows_f32`]: each row's
-/// `Σ g·y` (the chain of [`backward_f64`]) side by side with its block's
+/// `Σ g·y` (the one-row kernel's chain) side by side with its block's
 /// other rows', then `dx = s · y · (g − dot)`.
 pub(super) fn backward_rows_f32(y: &[f32], g: &[f32], dx: &mut [f32], t: usize, i0: usize, scale: f32) {
     #[inline(always)]
     fn each(y: &[f32], g: &[f32], dx: &mut [f32], t: usize, i0: usize, scale: f32) {
-        let mut done = 0;
-        blocks(y, dx, t, i0, |y, dx, first| {
-            let g = &g[done..][..y.len()];
-            done += y.len();
-            let rows = y.len() / t;
-            let vis: [usize; ROWS] = std::array::from_fn(|r| (first + r) % t + 1);
-            let mut dot = [0f32; ROWS];
-            if rows == ROWS {
-                dot = sums::<ROWS>(std::array::from_fn(|r| &y[r * t..][..vis[r]]), |r, k| g[r * t + k] * y[r * t + k]);
-            } else {
-                for r in 0..rows {
-                    dot[r] = sums::<1>([&y[r * t..][..vis[r]]], |_, k| g[r * t + k] * y[r * t + k])[0];
-                }
-            }
-            for (r, ((dx, y), g)) in dx.chunks_exact_mut(t).zip(y.chunks_exact(t)).zip(g.chunks_exact(t)).enumerate() {
-                let n = vis[r];
-                dx[..n].iter_mut().zip(&y[..n]).zip(&g[..n]).for_each(|((dx, &y), &g)| *dx = scale * y * (g - dot[r]));
+        for (range, vis) in blocks(y.len(), t, i0) {
+            let (y, g, dx) = (&y[range.clone()], &g[range.clone()], &mut dx[range]);
+            let dot = sums(vis, |r, k| g[r * t + k] * y[r * t + k]);
+            let rows = dx.chunks_exact_mut(t).zip(y.chunks_exact(t)).zip(g.chunks_exact(t));
+            for ((((dx, y), g), &n), dot) in rows.zip(&vis).zip(dot) {
+                dx[..n].iter_mut().zip(&y[..n]).zip(&g[..n]).for_each(|((dx, &y), &g)| *dx = scale * y * (g - dot));
                 dx[n..].fill(0.0);
             }
-        });
+        }
     }
     match super::common::avx2() {
         #[cfg(target_arch = "x86_64")]
@@ -245,9 +230,15 @@ impl CustomOp1 for CausalSoftmax {
                 CpuStorage::F64(y)
             }
             CpuStorage::BF16(x) => {
-                let mut y = vec![0f32; n];
-                forward_rows_f32(&widen(&x[range]), &mut y, t, 0, self.scale as f32);
-                CpuStorage::BF16(narrow(y))
+                // ROWS rows at a time, widened and computed in f32, rounded once.
+                let (mut y, mut wide, mut out) = (Vec::with_capacity(n), vec![0f32; ROWS * t], vec![0f32; ROWS * t]);
+                for (c, x) in x[range].chunks(ROWS * t).enumerate() {
+                    let (wide, out) = (&mut wide[..x.len()], &mut out[..x.len()]);
+                    wide.iter_mut().zip(x).for_each(|(w, &v)| *w = v.to_f32());
+                    forward_rows_f32(wide, out, t, c * ROWS % t, self.scale as f32);
+                    y.extend(out.iter().map(|&v| bf16::from_f32(v)));
+                }
+                CpuStorage::BF16(y)
             }
             _ => bail!("causal_softmax supports f32, bf16 and f64, got {:?}", s.dtype()),
         };
@@ -283,9 +274,17 @@ impl CustomOp2 for CausalSoftmaxBackward {
                 CpuStorage::F64(dx)
             }
             (CpuStorage::BF16(y), CpuStorage::BF16(g)) => {
-                let mut dx = vec![0f32; n];
-                backward_rows_f32(&widen(&y[ry]), &widen(&g[rg]), &mut dx, t, 0, self.scale as f32);
-                CpuStorage::BF16(narrow(dx))
+                // ROWS rows at a time, as the forward.
+                let (mut dx, block) = (Vec::with_capacity(n), ROWS * t);
+                let (mut wy, mut wg, mut out) = (vec![0f32; block], vec![0f32; block], vec![0f32; block]);
+                for (c, (y, g)) in y[ry].chunks(block).zip(g[rg].chunks(block)).enumerate() {
+                    let (wy, wg, out) = (&mut wy[..y.len()], &mut wg[..y.len()], &mut out[..y.len()]);
+                    wy.iter_mut().zip(y).for_each(|(w, &v)| *w = v.to_f32());
+                    wg.iter_mut().zip(g).for_each(|(w, &v)| *w = v.to_f32());
+                    backward_rows_f32(wy, wg, out, t, c * ROWS % t, self.scale as f32);
+                    dx.extend(out.iter().map(|&v| bf16::from_f32(v)));
+                }
+                CpuStorage::BF16(dx)
             }
             _ => bail!("causal_softmax backward: unsupported dtypes {:?}, {:?}", s1.dtype(), s2.dtype()),
         };
@@ -298,7 +297,6 @@ mod tests {
     use super::super::common::testing::{max_diff, random};
     use super::*;
     use candle_core::{D, DType, Device, Var};
-    use half::bf16;
 
     /// nanoGPT's three ops, composed from candle's: scale, mask with −∞, softmax.
     fn composite(att: &Tensor, scale: f64) -> Tensor {
@@ -358,19 +356,28 @@ mod tests {
     row_kernels!(one_row_f32, one_row_backward_f32, f32);
 
     /// Row blocks against one row at a time, bit for bit, forward and
-    /// backward: T not a multiple of the block (a block spans two matrices),
-    /// a start inside a matrix, rows longer than the exp's lanes and one
-    /// with a −∞ score (a masked key of another kind) and a huge one (the
-    /// exp's slow path).
+    /// backward: T not a multiple of the block (blocks span two matrices),
+    /// starts inside a matrix, a last block of one row, T = 1, rows longer
+    /// than the exp's lanes. The first row that sees all T keys has a −∞
+    /// score (e⁰ nowhere else) and a huge one (the exp's slow path: all the
+    /// others' exps underflow to 0); the second such row a NaN; the first
+    /// row of three keys scores −0, +0, −1 (its max a ±0 tie).
     #[test]
     fn row_blocks_give_the_bits_of_one_row_at_a_time() {
-        for (t, i0, mats) in [(64, 0, 3), (7, 0, 4), (13, 5, 2), (1, 0, 3), (130, 0, 1)] {
+        for (t, i0, mats) in [(64, 0, 3), (7, 0, 4), (7, 4, 3), (13, 5, 2), (1, 0, 3), (130, 0, 2)] {
             let n = t * t * mats - i0 * t;
             let mut x: Vec<f32> = (0..n).map(|k| ((k * 7919 % 1009) as f32 / 1009.0 - 0.5) * 9.0).collect();
             let g: Vec<f32> = (0..n).map(|k| ((k * 104729 % 997) as f32 / 997.0 - 0.5) * 2.0).collect();
-            if n > 3 * t {
-                x[3 * t] = f32::NEG_INFINITY;
-                x[3 * t + t / 2] = 1e30;
+            let query = |r: usize| (i0 + r) % t;
+            let mut full = (0..n / t).filter(|&r| t > 3 && query(r) == t - 1).map(|r| r * t);
+            if let Some(at) = full.next() {
+                (x[at + 1], x[at + t / 2]) = (f32::NEG_INFINITY, 1e30);
+            }
+            if let Some(at) = full.next() {
+                x[at + t / 3] = f32::NAN;
+            }
+            if let Some(r) = (0..n / t).find(|&r| t > 3 && query(r) == 2) {
+                x[r * t..r * t + 3].copy_from_slice(&[-0.0, 0.0, -1.0]);
             }
             let (mut rows, mut one) = (vec![9f32; n], vec![9f32; n]);
             forward_rows_f32(&x, &mut rows, t, i0, 0.3);
