@@ -1,7 +1,7 @@
 //! Debian 12's glibc `expf`, four lanes at a time, bit for bit.
 //!
-//! The softmax's `exp` is glibc's `expf` (what `f32::exp` calls), one call
-//! per element: 4–5 ns each, most of the causal softmax's time. glibc's
+//! The softmax's `exp` is glibc's `expf` (what `f32::exp` calls); called once
+//! per element it took 4–5 ns each, most of the causal softmax's time. glibc's
 //! algorithm (sysdeps/ieee754/flt-32/e_expf.c, from Arm's optimized
 //! routines) is a handful of f64 operations on a 32-entry table, so it runs
 //! as well in four f64 lanes — and, done in the same operations, rounds the
@@ -16,7 +16,7 @@
 //!
 //! ```text
 //! z  = x · 32/ln 2           k = round(z) (ties to even, by adding 1.5·2⁵²)
-//! r  = z − k  ∈ [−½, ½]      s = 2^(k/32) = table[k mod 32] with k/32 added to its exponent
+//! r  = z − k  ∈ [−½, ½]      s = 2^(k/32) = table[k mod 32] with ⌊k/32⌋ added to its exponent
 //! eˣ ≈ s · (1 + C₂r + C₁r² + C₀r³), rounded once to f32
 //! ```
 
@@ -76,31 +76,40 @@ pub(super) fn exp_in_place_fma(v: &mut [f32]) {
             q.iter_mut().for_each(|x| *x = x.exp());
             continue;
         }
-        let xd = _mm256_cvtps_pd(x); // exact
-        let inv = _mm256_set1_pd(INV_LN2_N);
-        let shift = _mm256_set1_pd(SHIFT);
-        let kd = _mm256_fmadd_pd(inv, xd, shift); // round(z) + SHIFT, z = x·32/ln 2
-        let ki = _mm256_castpd_si256(kd); // its low bits: k
-        let kd = _mm256_sub_pd(kd, shift);
-        let r = _mm256_fmsub_pd(inv, xd, kd); // z − k, z not rounded first (glibc's fused build)
-        let i = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
-        // SAFETY: every index is below 32, TABLE's length.
-        let t = unsafe { _mm256_i64gather_epi64::<8>(TABLE.as_ptr().cast(), i) };
-        let s = _mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_slli_epi64::<47>(ki))); // 2^(k/32)
-        let z = _mm256_fmadd_pd(_mm256_set1_pd(C[0]), r, _mm256_set1_pd(C[1]));
-        let r2 = _mm256_mul_pd(r, r);
-        let y = _mm256_fmadd_pd(_mm256_set1_pd(C[2]), r, _mm256_set1_pd(1.0));
-        let y = _mm256_mul_pd(_mm256_fmadd_pd(z, r2, y), s);
         // SAFETY: `q` holds four f32.
-        unsafe { _mm_storeu_ps(q.as_mut_ptr(), _mm256_cvtpd_ps(y)) }; // rounded once, to nearest
+        unsafe { _mm_storeu_ps(q.as_mut_ptr(), fast_quad(x)) };
     }
     quads.into_remainder().iter_mut().for_each(|x| *x = x.exp());
+}
+
+/// glibc's fast path on four f32, each of magnitude below 88 (not NaN).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fast_quad(x: std::arch::x86_64::__m128) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    let xd = _mm256_cvtps_pd(x); // exact
+    let inv = _mm256_set1_pd(INV_LN2_N);
+    let shift = _mm256_set1_pd(SHIFT);
+    let kd = _mm256_fmadd_pd(inv, xd, shift); // round(z) + SHIFT, z = x·32/ln 2
+    let ki = _mm256_castpd_si256(kd); // its low bits: k
+    let kd = _mm256_sub_pd(kd, shift);
+    let r = _mm256_fmsub_pd(inv, xd, kd); // z − k, z not rounded first (glibc's fused build)
+    let i = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+    // SAFETY: every index is below 32, TABLE's length.
+    let t = unsafe { _mm256_i64gather_epi64::<8>(TABLE.as_ptr().cast(), i) };
+    let s = _mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_slli_epi64::<47>(ki))); // 2^(k/32)
+    let z = _mm256_fmadd_pd(_mm256_set1_pd(C[0]), r, _mm256_set1_pd(C[1]));
+    let r2 = _mm256_mul_pd(r, r);
+    let y = _mm256_fmadd_pd(_mm256_set1_pd(C[2]), r, _mm256_set1_pd(1.0));
+    let y = _mm256_mul_pd(_mm256_fmadd_pd(z, r2, y), s);
+    _mm256_cvtpd_ps(y) // rounded once, to nearest
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::super::common::avx2_fma;
     use super::*;
+    use std::arch::x86_64::{_mm_loadu_ps, _mm_storeu_ps};
 
     /// Every one of the 2³² f32 bit patterns, through the lanes and through
     /// `f32::exp` (glibc's `expf`): the same bits, NaNs included. Two threads,
@@ -147,6 +156,14 @@ mod tests {
         ];
         let want: Vec<u32> = v.iter().map(|x| x.exp().to_bits()).collect();
         assert!(avx2_fma(), "the lanes need AVX2 and FMA");
+        // The first two quads through the lanes alone (no way out to f32::exp) …
+        for (q, want) in v[..8].chunks_exact(4).zip(want.chunks_exact(4)) {
+            let mut got = [0f32; 4];
+            // SAFETY: the CPU has AVX2 and FMA (asserted above); `q` and `got` hold four f32.
+            unsafe { _mm_storeu_ps(got.as_mut_ptr(), fast_quad(_mm_loadu_ps(q.as_ptr()))) };
+            assert_eq!(got.map(f32::to_bits), want, "the lanes on {q:?}");
+        }
+        // … and all of them through the dispatch.
         // SAFETY: the CPU has AVX2 and FMA (asserted above).
         unsafe { exp_in_place_fma(&mut v) };
         assert_eq!(v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);

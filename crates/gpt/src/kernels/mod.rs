@@ -16,7 +16,7 @@
 //! | [`bias_add`] | a linear layer's `x + b`; its backward sums the gradient over the rows | `db` over the rows in order |
 //! | [`gelu`] | erf GELU, its backward in one pass | element-wise; its own `erf` and `exp` in plain f32 operations |
 //! | [`attention`] | causal self-attention from `c_attn`'s output to the merged heads, one op; its probabilities kept for the backward or recomputed there ([`attention_with`], [`Probs`]) | [`matmul`]'s chains and [`causal_softmax`]'s rows, rounded where they round: their bits |
-//! | [`causal_softmax`] | `softmax(scale · att + causal mask)` in one pass, and its backward in one | each row's max and sums over the visible keys `k = 0, 1, …, i`, in order (glibc's `expf`, four lanes at a time, to its bits) |
+//! | [`causal_softmax`] | `softmax(scale · att + causal mask)` in one pass, and its backward in one | each row's sums over the visible keys `k = 0, 1, …, i`, in order (its max, exact, in any order; glibc's `expf`, four lanes at a time, to its bits) |
 mod attention;
 mod common;
 mod expf;

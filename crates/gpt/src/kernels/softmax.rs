@@ -14,7 +14,8 @@
 //! ```
 //!
 //! Row `i` of each (T, T) matrix is query position `i`, which sees keys
-//! `0..=i`. Each row's max and sums run over `k = 0, 1, …, i` in order
+//! `0..=i`. Each row's sums run over `k = 0, 1, …, i` in order (its max,
+//! exact, in any order)
 //! (in f32 four rows' sums step side by side, each still its own chain); the
 //! `exp` is glibc's `expf`, four lanes at a time where glibc takes its fast
 //! path ([`super::expf`], the bits of Debian 12's glibc), so the bits are
@@ -361,7 +362,8 @@ mod tests {
     /// than the exp's lanes. The first row that sees all T keys has a −∞
     /// score (e⁰ nowhere else) and a huge one (the exp's slow path: all the
     /// others' exps underflow to 0); the second such row a NaN; the first
-    /// row of three keys scores −0, +0, −1 (its max a ±0 tie).
+    /// row of 21 keys has a −0 and a +0 in different lanes of the max and
+    /// every other score negative (its max a ±0 tie).
     #[test]
     fn row_blocks_give_the_bits_of_one_row_at_a_time() {
         for (t, i0, mats) in [(64, 0, 3), (7, 0, 4), (7, 4, 3), (13, 5, 2), (1, 0, 3), (130, 0, 2)] {
@@ -376,8 +378,9 @@ mod tests {
             if let Some(at) = full.next() {
                 x[at + t / 3] = f32::NAN;
             }
-            if let Some(r) = (0..n / t).find(|&r| t > 3 && query(r) == 2) {
-                x[r * t..r * t + 3].copy_from_slice(&[-0.0, 0.0, -1.0]);
+            if let Some(r) = (0..n / t).find(|&r| query(r) == 20) {
+                x[r * t..r * t + 21].iter_mut().for_each(|v| *v = -v.abs() - 0.5);
+                (x[r * t + 1], x[r * t + 10]) = (-0.0, 0.0);
             }
             let (mut rows, mut one) = (vec![9f32; n], vec![9f32; n]);
             forward_rows_f32(&x, &mut rows, t, i0, 0.3);
