@@ -184,9 +184,9 @@ fn backward<T: Calc>(d: Dims, qkv: &[T], p: &[T], dy: &[T], round: impl Fn(&mut 
     let mut ds = T::mm(&dyh, dy, &d.heads(c3, 2 * d.c, true), qkv); // dP = dy·vᵀ
     round(&mut ds);
     let scale = 1.0 / (d.hs as f64).sqrt();
-    let rows = SOFTMAX_ROWS * t; // the rows the softmax's backward takes together
-    let mut g = vec![T::default(); rows];
-    for (c, (y, dx)) in p.chunks(rows).zip(ds.chunks_mut(rows)).enumerate() {
+    let block = SOFTMAX_ROWS * t; // the elements of the rows the softmax's backward takes together
+    let mut g = vec![T::default(); block];
+    for (c, (y, dx)) in p.chunks(block).zip(ds.chunks_mut(block)).enumerate() {
         let g = &mut g[..dx.len()];
         g.copy_from_slice(dx);
         T::softmax_backward_rows(y, g, dx, t, c * SOFTMAX_ROWS % t, scale); // dS, in place

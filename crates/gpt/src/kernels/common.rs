@@ -5,7 +5,7 @@ use half::bf16;
 use std::mem::MaybeUninit;
 
 use super::matmul::{Operand, products_f32, products_f64};
-use super::softmax::{backward_f64, backward_rows_f32, forward_f64, forward_rows_f32};
+use super::softmax::{backward_rows_f32, backward_rows_f64, forward_rows_f32, forward_rows_f64};
 
 /// Whether the element-wise loops below, and LayerNorm's, may take AVX2's
 /// eight lanes (the build's baseline, SSE2, has four). The bits cannot differ: without
@@ -19,8 +19,8 @@ pub(super) fn avx2() -> bool {
     false
 }
 
-/// Whether glibc's `expf` may run in lanes ([`super::expf`]): AVX2 and FMA,
-/// which glibc's own choice of its FMA build asks for too.
+/// Whether the CPU has AVX2 and FMA: the matmul's AVX2 tiles, and glibc's
+/// `expf` in lanes ([`super::expf`]; glibc's own choice of its FMA build asks for both too).
 #[inline(always)]
 pub(super) fn avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -144,14 +144,10 @@ impl Calc for f64 {
         products_f64(a, x, b, y)
     }
     fn softmax_rows(x: &[f64], y: &mut [f64], t: usize, i0: usize, scale: f64) {
-        for (r, (x, y)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
-            forward_f64(x, y, (i0 + r) % t, scale)
-        }
+        forward_rows_f64(x, y, t, i0, scale)
     }
     fn softmax_backward_rows(y: &[f64], g: &[f64], dx: &mut [f64], t: usize, i0: usize, scale: f64) {
-        for (r, ((y, g), dx)) in y.chunks_exact(t).zip(g.chunks_exact(t)).zip(dx.chunks_exact_mut(t)).enumerate() {
-            backward_f64(y, g, dx, (i0 + r) % t, scale)
-        }
+        backward_rows_f64(y, g, dx, t, i0, scale)
     }
 }
 

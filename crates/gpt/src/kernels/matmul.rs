@@ -90,7 +90,7 @@ impl Isa {
         let mut v = vec![];
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let avx2 = super::common::avx2_fma();
             if avx2 && is_x86_feature_detected!("avx512f") {
                 v.push(Isa::Avx512);
             }

@@ -204,10 +204,17 @@ pub(super) fn backward_rows_f32(y: &[f32], g: &[f32], dx: &mut [f32], t: usize, 
     }
 }
 
-/// Every row of `t`-long rows, by query position.
-fn each_row(len: usize, t: usize, mut f: impl FnMut(std::ops::Range<usize>, usize)) {
-    for (r, start) in (0..len).step_by(t).enumerate() {
-        f(start..start + t, r % t);
+/// The f64 forward on whole rows, as [`forward_rows_f32`] takes them: one row at a time.
+pub(super) fn forward_rows_f64(x: &[f64], y: &mut [f64], t: usize, i0: usize, scale: f64) {
+    for (r, (x, y)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
+        forward_f64(x, y, (i0 + r) % t, scale)
+    }
+}
+
+/// The f64 backward on whole rows, one row at a time.
+pub(super) fn backward_rows_f64(y: &[f64], g: &[f64], dx: &mut [f64], t: usize, i0: usize, scale: f64) {
+    for (r, ((y, g), dx)) in y.chunks_exact(t).zip(g.chunks_exact(t)).zip(dx.chunks_exact_mut(t)).enumerate() {
+        backward_f64(y, g, dx, (i0 + r) % t, scale)
     }
 }
 
@@ -226,8 +233,8 @@ impl CustomOp1 for CausalSoftmax {
                 CpuStorage::F32(y)
             }
             CpuStorage::F64(x) => {
-                let (x, mut y) = (&x[range], vec![0f64; n]);
-                each_row(n, t, |r, i| forward_f64(&x[r.clone()], &mut y[r], i, self.scale));
+                let mut y = vec![0f64; n];
+                forward_rows_f64(&x[range], &mut y, t, 0, self.scale);
                 CpuStorage::F64(y)
             }
             CpuStorage::BF16(x) => {
@@ -270,8 +277,8 @@ impl CustomOp2 for CausalSoftmaxBackward {
                 CpuStorage::F32(dx)
             }
             (CpuStorage::F64(y), CpuStorage::F64(g)) => {
-                let (y, g, mut dx) = (&y[ry], &g[rg], vec![0f64; n]);
-                each_row(n, t, |r, i| backward_f64(&y[r.clone()], &g[r.clone()], &mut dx[r], i, self.scale));
+                let mut dx = vec![0f64; n];
+                backward_rows_f64(&y[ry], &g[rg], &mut dx, t, 0, self.scale);
                 CpuStorage::F64(dx)
             }
             (CpuStorage::BF16(y), CpuStorage::BF16(g)) => {
