@@ -16,12 +16,16 @@
 //! `MR` rows of `a` and `NR` columns of `b`, a 6 × 16 tile of accumulators
 //! (12 AVX registers) updated by 12 FMAs per step of `k` (with AVX-512, where
 //! two full row and column panels remain, a 12 × 32 tile: 24 of AVX-512's 32
-//! registers, 24 FMAs per step), and the loops
-//! blocked so that what the tile reads stays in the caches — `kc` steps of
-//! the contraction at a time (a `kc`-deep panel of `b` stays in L2), `mc`
-//! rows of `a` and `nc` columns of `b` (each a block within L3), sized from
-//! the cache topology by a rule measured here ([`Blocks::from_caches`]: not
-//! BLIS's L1-sized `kc`, which measured slower at the lessons' shapes).
+//! registers, 24 FMAs per step; a 6 × 32 one for a row panel left over), and
+//! the loops blocked so that what the tile reads stays in the caches — `kc`
+//! steps of the contraction at a time (a `kc`-deep panel of `b` stays in L2),
+//! `mc` rows of `a` and `nc` columns of `b` (each a block within L3), sized
+//! from the cache topology by a rule measured here ([`Blocks::from_caches`]:
+//! not BLIS's L1-sized `kc`, which measured slower at the lessons' shapes on
+//! a Zen 3 — but faster for the AVX2 tiles on an Intel core, which take it:
+//! [`Blocks::l1_resident`]). Where all of `b` stays in L2 and the tiles take
+//! twelve rows, the loops run rows first, each pair of row panels of `a`
+//! packed just before its tiles use it (see `products`).
 //! Blocking the contraction does not split the chain: each `kc`-block
 //! *continues* it, the tile loading its accumulators from the output where
 //! the block before stored them (an f32 load and store are exact), so every
@@ -149,7 +153,9 @@ fn refuse(line: &str) -> ! {
 // ANCHOR: blocks
 /// Block sizes, in elements: `kc` steps of the contraction, `mc` rows of
 /// `a` (a multiple of `MR`), `nc` columns of `b` (a multiple of `NR`); for
-/// an output of at most `small_out` bytes, `kc_small` steps instead.
+/// an output of at most `small_out` bytes, `kc_small` steps instead. Where
+/// a packed k-block of all of `b` takes at most `rows_first_b` bytes, the
+/// rows-first order (see `products`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Blocks {
     pub kc: usize,
@@ -157,6 +163,7 @@ pub struct Blocks {
     pub nc: usize,
     pub kc_small: usize,
     pub small_out: usize,
+    pub rows_first_b: usize,
 }
 
 impl Blocks {
@@ -176,13 +183,14 @@ impl Blocks {
         let mc = ((l3 / 4 / (4 * kc)) / MR * MR).max(MR);
         let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
         let kc_small = (l1 / 2 / (4 * NR)).clamp(64, kc);
-        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2 }
+        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2 }
     }
     // ANCHOR_END: blocks
 
-    /// Blocks of the given sizes, whatever the output's size.
+    /// Blocks of the given sizes, whatever the output's size, in the
+    /// columns-first order.
     pub fn fixed(kc: usize, mc: usize, nc: usize) -> Blocks {
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0 }
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0 }
     }
 
     /// The k-block for a contraction of `k` into an `m` × `n` output: the
@@ -210,17 +218,39 @@ impl Blocks {
         }
     }
 
-    /// This CPU's, from /sys/devices/system/cpu/cpu0/cache (L1d, L2, L3), read
-    /// once; 32 KiB, 512 KiB and 8 MiB where they cannot be read.
-    /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets them instead, for every output
-    /// size (no `kc_small`), to measure others: the bits are the same.
+    /// BLIS's rule, which the AVX2 tiles take on an Intel core: a `kc`-deep
+    /// panel of `b` in half of L1, `mc` rows of `a` (`kc` deep) in a quarter
+    /// of L2. Measured on an Intel Xeon (model 167: 48 KiB L1d, 2 MiB L2)
+    /// through the AVX2 path, against [`Blocks::from_caches`]' blocks: the
+    /// small preset's products and 1024³ 4–10% faster (kc 384, mc 96–384;
+    /// mc 768 lost it again). Its AVX-512 tiles, twice as wide, gained
+    /// nothing from it, and on a Zen 3 L1-sized k-blocks lost 4–12% at the
+    /// large outputs (see `from_caches`): those keep the rule above.
+    pub fn l1_resident(l1: usize, l2: usize, l3: usize) -> Blocks {
+        let kc = (l1 / 2 / (4 * NR)).clamp(64, 1 << 14);
+        let mc = ((l2 / 4 / (4 * kc)) / MR * MR).max(MR);
+        let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0 }
+    }
+
+    /// The blocks of the path in use on this CPU ([`Blocks::for_path`]).
     pub fn for_this_cpu() -> Blocks {
+        Blocks::for_path(Isa::in_use())
+    }
+
+    /// The blocks `isa`'s tiles take on this CPU: from its cache sizes
+    /// (/sys/devices/system/cpu/cpu0/cache: L1d, L2, L3, read once; 32 KiB,
+    /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::l1_resident`]
+    /// for the AVX2 tiles on an Intel core, else by [`Blocks::from_caches`].
+    /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets them instead, for every path and
+    /// output size (no `kc_small`), to measure others: the bits are the same.
+    pub fn for_path(isa: Isa) -> Blocks {
         use std::sync::OnceLock;
-        static BLOCKS: OnceLock<Blocks> = OnceLock::new();
-        *BLOCKS.get_or_init(|| {
-            if let Some(asked) = Blocks::asked().unwrap_or_else(|e| refuse(&e)) {
-                return asked;
-            }
+        static CPU: OnceLock<(Option<Blocks>, [usize; 3], bool)> = OnceLock::new();
+        let (asked, [l1, l2, l3], intel) = *CPU.get_or_init(|| {
+            let asked = Blocks::asked().unwrap_or_else(|e| refuse(&e));
+            let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+            let intel = cpuinfo.lines().any(|l| l.starts_with("vendor_id") && l.ends_with("GenuineIntel"));
             let (mut l1, mut l2, mut l3) = (32 << 10, 512 << 10, 8 << 20);
             for i in 0..8 {
                 let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
@@ -235,8 +265,13 @@ impl Blocks {
                     _ => {}
                 }
             }
-            Blocks::from_caches(l1, l2, l3)
-        })
+            (asked, [l1, l2, l3], intel)
+        });
+        match asked {
+            Some(asked) => asked,
+            None if isa == Isa::Avx2 && intel => Blocks::l1_resident(l1, l2, l3),
+            None => Blocks::from_caches(l1, l2, l3),
+        }
     }
 }
 
@@ -337,12 +372,12 @@ fn products<T: Copy + 'static>(
         return vec![0f32; len]; // an empty sum is 0
     }
     let (isa, blocks) = match path {
-        Path::Fastest => (Isa::in_use(), Blocks::for_this_cpu()),
-        Path::On(isa) => (isa, Blocks::for_this_cpu()),
+        Path::Fastest => (Isa::in_use(), Blocks::for_path(Isa::in_use())),
+        Path::On(isa) => (isa, Blocks::for_path(isa)),
         #[cfg(test)]
         Path::Forced(isa, blocks) => (isa, blocks),
     };
-    let (tile_fn, pair_fn, quad_fn) = tiles(isa);
+    let Tiles { tile: tile_fn, pair: pair_fn, quad: quad_fn, wide: wide_fn } = tiles(isa);
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
     let (kc, mcp, ncp) = (blocks.kc_for(k, m, n), (blocks.mc / MR).max(1), (blocks.nc / NR).max(1));
     // Nothing is zeroed first: the first k-block's tiles store every element
@@ -352,19 +387,93 @@ fn products<T: Copy + 'static>(
     let mut out: Vec<f32> = Vec::with_capacity(len);
     // Both operands packed whole, as [k-block][panel][k][row or column]: the
     // panel of k-block k0 that the tile reads is contiguous, kb × MR or kb × NR.
-    let (mut ap, mut bp) = (Vec::with_capacity(mp * MR * k), Vec::with_capacity(np * NR * k));
-    let (ap, bp) = (&mut ap.spare_capacity_mut()[..mp * MR * k], &mut bp.spare_capacity_mut()[..np * NR * k]);
+    // Each starts on a 64-byte line (malloc gives 16): a panel of b is 16 floats, so every load of
+    // a 16-lane row of it then reads one line, not two.
+    let (mut ap, mut bp) = (Vec::<f32>::with_capacity(mp * MR * k + 15), Vec::<f32>::with_capacity(np * NR * k + 15));
+    let (ap, bp) = (aligned(&mut ap, mp * MR * k), aligned(&mut bp, np * NR * k));
     let k_blocks = || (0..k).step_by(kc).map(move |k0| (k0, kc.min(k - k0)));
     let at_a = |k0: usize, kb: usize, p: usize| k0 * mp * MR + p * MR * kb;
     let at_b = |k0: usize, kb: usize, q: usize| k0 * np * NR + q * NR * kb;
     let mut edge = [0f32; MR * NR];
+    let mut wide_edge = [0f32; MR * 2 * NR];
     // The chains so far of the tiles two row panels below `corner` (row panel p), 16 columns
     // of 12 rows, on their way to L1 while the tile at `corner` computes.
     let prefetch_next = |out: &[MaybeUninit<f32>], corner: usize, p: usize| {
         prefetch_rows(out, corner + 2 * MR * n, n, (2 * MR).min(m.saturating_sub((p + 2) * MR)))
     };
+    // Rows first where a packed k-block of all of b stays in L2 (the tiny preset's products with
+    // N = 128, say): each pair of row panels of a is packed into `arows`, in L1, just before the
+    // tiles sweep it across every column panel, instead of all of a into `ap` (as much memory as a,
+    // written to L2 and read back for every column panel). At M = K = 512, N = 128 that packing
+    // was a sixth of the product's time, and rows first made those products 10-11% faster on
+    // AVX-512 (an Intel Xeon, model 167). Only where the tiles take twelve rows (AVX-512: with six,
+    // b is swept twice as often, and the AVX2 path's tiny products ran 3-8% slower) and a's lines
+    // run along k (x, g; a transposed gᵀ, packed two panels at a time, lost 2-3%).
+    let rows_first =
+        pair_fn.is_some() && a.col_stride == 1 && a.row_stride != 1 && 4 * np * NR * kc <= blocks.rows_first_b;
+    let mut arows = vec![0f32; if rows_first { 2 * MR * kc } else { 0 }];
     let items = a.batch_offsets.iter().zip(&b.batch_offsets);
     for ((&ao, &bo), out) in items.zip(out.spare_capacity_mut()[..len].chunks_exact_mut(m * n)) {
+        if rows_first {
+            for (k0, kb) in k_blocks() {
+                let b_view = View { at: bo + k0 * b.row_stride, len: n, stride: b.col_stride, k_stride: b.row_stride };
+                pack::<_, NR>(isa, &b_view, y, kb, widen, &mut bp[at_b(k0, kb, 0)..][..np * NR * kb]);
+            }
+            // SAFETY: `pack` wrote every element (all k-blocks, every panel).
+            let bp = unsafe { assume_init(bp) };
+            for (k0, kb) in k_blocks() {
+                let load = k0 > 0; // continue each element's chain where the block before left it
+                let mut p = 0;
+                while p < mp {
+                    // Two row panels where the path has 12-row tiles and two full panels remain.
+                    let two = pair_fn.is_some() && p + 1 < mp && m >= (p + 2) * MR;
+                    let panels = if two { 2 } else { 1 };
+                    let rows = (panels * MR).min(m - p * MR);
+                    let at = ao + k0 * a.col_stride + p * MR * a.row_stride;
+                    let a_view = View { at, len: rows, stride: a.row_stride, k_stride: a.col_stride };
+                    // SAFETY: `pack` writes f32 values only, every element of its panels.
+                    pack::<_, MR>(isa, &a_view, x, kb, widen, unsafe {
+                        &mut as_uninit(&mut arows)[..panels * MR * kb]
+                    });
+                    let (a0, a1) = arows[..panels * MR * kb].split_at(MR * kb);
+                    let mut q = 0;
+                    while q < np {
+                        let corner = (p * MR) * n + q * NR;
+                        let cols = NR.min(n - q * NR);
+                        let two_cols = q + 1 < np && n >= (q + 2) * NR;
+                        let bpanel = |q: usize| &bp[at_b(k0, kb, q)..][..NR * kb];
+                        match (quad_fn.filter(|_| two && two_cols), wide_fn.filter(|_| !two && two_cols)) {
+                            (Some(quad), _) => {
+                                quad(kb, [a0, a1], [bpanel(q), bpanel(q + 1)], &mut out[corner..], n, load);
+                                q += 2;
+                            }
+                            (_, Some(wide)) => {
+                                let run = |c: &mut [MaybeUninit<f32>], ldc| {
+                                    wide(kb, a0, [bpanel(q), bpanel(q + 1)], c, ldc, load)
+                                };
+                                in_place_or_edge(out, corner, n, rows, 2 * NR, load, &mut wide_edge, run);
+                                q += 2;
+                            }
+                            _ if two && cols == NR && pair_fn.is_some() => {
+                                pair_fn.unwrap()(kb, a0, a1, bpanel(q), &mut out[corner..], n, load);
+                                q += 1;
+                            }
+                            _ => {
+                                for (i, apanel) in [a0, a1].into_iter().take(panels).enumerate() {
+                                    let (corner, rows) = (corner + i * MR * n, MR.min(rows - i * MR));
+                                    let run =
+                                        |c: &mut [MaybeUninit<f32>], ldc| tile_fn(kb, apanel, bpanel(q), c, ldc, load);
+                                    in_place_or_edge(out, corner, n, rows, cols, load, &mut edge, run);
+                                }
+                                q += 1;
+                            }
+                        }
+                    }
+                    p += panels;
+                }
+            }
+            continue;
+        }
         for (k0, kb) in k_blocks() {
             // a's rows as panels of MR, b's columns as panels of NR; k runs along a's columns and b's rows.
             let a_view = View { at: ao + k0 * a.col_stride, len: m, stride: a.row_stride, k_stride: a.col_stride };
@@ -398,6 +507,19 @@ fn products<T: Copy + 'static>(
                                 quad(kb, apanels, bpanels, &mut out[corner..], n, load);
                                 p += 2;
                             }
+                            // The row panels a quad leaves (one, or an edge: m = 128 leaves 8 rows) against
+                            // the same two column panels: 6 × 32 tiles, not the 6 × 16 AVX2 tile twice.
+                            while let Some(wide) = wide_fn.filter(|_| p < p_end) {
+                                let (rows, corner) = (MR.min(m - p * MR), (p * MR) * n + q * NR);
+                                if load {
+                                    prefetch_next(out, corner, p);
+                                    prefetch_next(out, corner + NR, p);
+                                }
+                                let apanel = &ap[at_a(k0, kb, p)..][..MR * kb];
+                                let run = |c: &mut [MaybeUninit<f32>], ldc| wide(kb, apanel, bpanels, c, ldc, load);
+                                in_place_or_edge(out, corner, n, rows, 2 * NR, load, &mut wide_edge, run);
+                                p += 1;
+                            }
                         }
                         // The rows left (all of them without a 12 × 32 tile), one column panel at a time.
                         let (p_rest, width) = (p, if quad.is_some() { 2 } else { 1 });
@@ -421,21 +543,10 @@ fn products<T: Copy + 'static>(
                                         pair(kb, apanel, apanel1, bpanel, &mut out[corner..], n, load);
                                         p += 2;
                                     }
-                                    None if rows == MR && cols == NR => {
-                                        tile_fn(kb, apanel, bpanel, &mut out[corner..], n, load);
-                                        p += 1;
-                                    }
                                     None => {
-                                        // An edge tile: through a full one, its valid part copied in and out.
-                                        // SAFETY: the tile writes f32 values only.
-                                        let e = unsafe { as_uninit(&mut edge) };
-                                        for r in 0..if load { rows } else { 0 } {
-                                            e[r * NR..r * NR + cols].copy_from_slice(&out[corner + r * n..][..cols]);
-                                        }
-                                        tile_fn(kb, apanel, bpanel, e, NR, load);
-                                        for r in 0..rows {
-                                            out[corner + r * n..][..cols].copy_from_slice(&e[r * NR..r * NR + cols]);
-                                        }
+                                        let run =
+                                            |c: &mut [MaybeUninit<f32>], ldc| tile_fn(kb, apanel, bpanel, c, ldc, load);
+                                        in_place_or_edge(out, corner, n, rows, cols, load, &mut edge, run);
                                         p += 1;
                                     }
                                 }
@@ -652,6 +763,42 @@ fn pack_each<T: Copy, const W: usize>(
     }
 }
 
+/// Runs a tile (`run(c, ldc)`) at `corner` of `out` (row stride `n`), of
+/// which `rows` × `cols` lie inside the output: in place when that is all of
+/// it (as wide as `scratch`'s rows, `MR` rows), else through `scratch`, the
+/// valid part copied in (with `load`: the chains so far) and back out.
+#[allow(clippy::too_many_arguments)]
+fn in_place_or_edge<const L: usize>(
+    out: &mut [MaybeUninit<f32>],
+    corner: usize,
+    n: usize,
+    rows: usize,
+    cols: usize,
+    load: bool,
+    scratch: &mut [f32; L],
+    run: impl FnOnce(&mut [MaybeUninit<f32>], usize),
+) {
+    let w = L / MR; // the tile's width
+    if rows == MR && cols == w {
+        return run(&mut out[corner..], n);
+    }
+    // SAFETY: the tile writes f32 values only.
+    let e = unsafe { as_uninit(scratch) };
+    for r in 0..if load { rows } else { 0 } {
+        e[r * w..][..cols].copy_from_slice(&out[corner + r * n..][..cols]);
+    }
+    run(e, w);
+    for r in 0..rows {
+        out[corner + r * n..][..cols].copy_from_slice(&e[r * w..][..cols]);
+    }
+}
+
+/// `len` elements of `v`'s spare capacity (at least `len` + 15), starting on a 64-byte line.
+fn aligned(v: &mut Vec<f32>, len: usize) -> &mut [MaybeUninit<f32>] {
+    let skip = v.as_ptr().align_offset(64).min(15);
+    &mut v.spare_capacity_mut()[skip..][..len]
+}
+
 /// A buffer every element of which has been written, as f32.
 ///
 /// # Safety
@@ -697,15 +844,28 @@ type TileFn = fn(usize, &[f32], &[f32], &mut [MaybeUninit<f32>], usize, bool);
 type PairFn = fn(usize, &[f32], &[f32], &[f32], &mut [MaybeUninit<f32>], usize, bool);
 /// Two row panels against two column panels: the four tiles side by side and one above the other in `c`.
 type QuadFn = fn(usize, [&[f32]; 2], [&[f32]; 2], &mut [MaybeUninit<f32>], usize, bool);
+/// One row panel against two column panels: the two tiles side by side in `c`.
+type WideFn = fn(usize, &[f32], [&[f32]; 2], &mut [MaybeUninit<f32>], usize, bool);
+
+/// The register tiles of one path: 6 × 16 (every path), and where the CPU
+/// has AVX-512 12 × 16 (`pair`), 12 × 32 (`quad`) and 6 × 32 (`wide`).
+struct Tiles {
+    tile: TileFn,
+    pair: Option<PairFn>,
+    quad: Option<QuadFn>,
+    wide: Option<WideFn>,
+}
 
 /// The tiles of `isa`: the same bits from each, only faster.
-fn tiles(isa: Isa) -> (TileFn, Option<PairFn>, Option<QuadFn>) {
+fn tiles(isa: Isa) -> Tiles {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => (tile_avx2, Some(pair_avx512), Some(quad_avx512)),
+        Isa::Avx512 => {
+            Tiles { tile: tile_avx2, pair: Some(pair_avx512), quad: Some(quad_avx512), wide: Some(wide_avx512) }
+        }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => (tile_avx2, None, None),
-        _ => (tile_portable, None, None),
+        Isa::Avx2 => Tiles { tile: tile_avx2, pair: None, quad: None, wide: None },
+        _ => Tiles { tile: tile_portable, pair: None, quad: None, wide: None },
     }
 }
 
@@ -765,18 +925,18 @@ unsafe fn tile_avx2_inner(k: usize, ap: *const f32, bp: *const f32, c: *mut f32,
     }
 }
 
-// How many 12 × 16 pairs and 12 × 32 quads this thread has run: for the
-// tests, which would pass on the narrower tiles alone (the same bits).
+// How many 12 × 16 pairs, 12 × 32 quads and 6 × 32 wides this thread has
+// run: for the tests, which would pass on the narrower tiles alone (the same bits).
 #[cfg(test)]
 thread_local! {
-    static WIDE_TILES_RUN: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
+    static WIDE_TILES_RUN: std::cell::Cell<(usize, usize, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
 }
 
 #[cfg(target_arch = "x86_64")]
 fn pair_avx512(k: usize, ap0: &[f32], ap1: &[f32], bp: &[f32], c: &mut [MaybeUninit<f32>], ldc: usize, load: bool) {
     assert!(ap0.len() >= k * MR && ap1.len() >= k * MR && bp.len() >= k * NR && c.len() >= (2 * MR - 1) * ldc + NR);
     #[cfg(test)]
-    WIDE_TILES_RUN.with(|n| n.set((n.get().0 + 1, n.get().1)));
+    WIDE_TILES_RUN.with(|n| n.set((n.get().0 + 1, n.get().1, n.get().2)));
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
     // panels and `c` (checked above), stores within `c`; `c` is read only
     // with `load`, when the k-block before stored it.
@@ -821,7 +981,7 @@ fn quad_avx512(k: usize, ap: [&[f32]; 2], bp: [&[f32]; 2], c: &mut [MaybeUninit<
     assert!(ap.iter().all(|a| a.len() >= k * MR) && bp.iter().all(|b| b.len() >= k * NR));
     assert!(c.len() >= (2 * MR - 1) * ldc + 2 * NR);
     #[cfg(test)]
-    WIDE_TILES_RUN.with(|n| n.set((n.get().0, n.get().1 + 1)));
+    WIDE_TILES_RUN.with(|n| n.set((n.get().0, n.get().1 + 1, n.get().2)));
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
     // panels and `c` (checked above), stores within `c`; `c` is read only
     // with `load`, when the k-block before stored it.
@@ -872,6 +1032,53 @@ unsafe fn quad_avx512_inner(
                 let y = _mm512_set1_ps(*ap1.add(p * MR + r));
                 acc[MR + r][0] = _mm512_fmadd_ps(y, b0, acc[MR + r][0]);
                 acc[MR + r][1] = _mm512_fmadd_ps(y, b1, acc[MR + r][1]);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(c.add(r * ldc), a[0]);
+            _mm512_storeu_ps(c.add(r * ldc + NR), a[1]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn wide_avx512(k: usize, ap: &[f32], bp: [&[f32]; 2], c: &mut [MaybeUninit<f32>], ldc: usize, load: bool) {
+    assert!(ap.len() >= k * MR && bp.iter().all(|b| b.len() >= k * NR) && c.len() >= (MR - 1) * ldc + 2 * NR);
+    #[cfg(test)]
+    WIDE_TILES_RUN.with(|n| n.set((n.get().0, n.get().1, n.get().2 + 1)));
+    // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
+    // panels and `c` (checked above), stores within `c`; `c` is read only
+    // with `load`, when the k-block before stored it.
+    unsafe { wide_avx512_inner(k, ap.as_ptr(), bp[0].as_ptr(), bp[1].as_ptr(), c.as_mut_ptr().cast(), ldc, load) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn wide_avx512_inner(
+    k: usize,
+    ap: *const f32,
+    bp0: *const f32,
+    bp1: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+) {
+    use std::arch::x86_64::*;
+    unsafe {
+        // 6 rows × 32 columns: two 16-lane registers per row; per step of k, two loads of b and
+        // six broadcasts of a feed 12 FMAs.
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        if load {
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = [_mm512_loadu_ps(c.add(r * ldc)), _mm512_loadu_ps(c.add(r * ldc + NR))];
+            }
+        }
+        for p in 0..k {
+            let (b0, b1) = (_mm512_loadu_ps(bp0.add(p * NR)), _mm512_loadu_ps(bp1.add(p * NR)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*ap.add(p * MR + r));
+                a[0] = _mm512_fmadd_ps(x, b0, a[0]);
+                a[1] = _mm512_fmadd_ps(x, b1, a[1]);
             }
         }
         for (r, a) in acc.iter().enumerate() {
@@ -935,9 +1142,16 @@ mod tests {
         // pair cannot either); two by two with k-blocks of 5; three by three (an odd one of each).
         let small =
             [Blocks::fixed(7, 6, 16), Blocks::fixed(5, 6, 32), Blocks::fixed(5, 12, 32), Blocks::fixed(64, 18, 48)];
+        // Each also in the rows-first order (mc, nc play no part in it).
+        let both = small.into_iter().flat_map(|b| [b, Blocks { rows_first_b: usize::MAX, ..b }]);
+        let small: Vec<Blocks> = both.collect();
         Isa::available()
             .into_iter()
-            .flat_map(|isa| std::iter::once(Blocks::for_this_cpu()).chain(small).map(move |b| Path::Forced(isa, b)))
+            .flat_map(|isa| {
+                let this_cpu = Blocks::for_path(isa);
+                let orders = [Blocks { rows_first_b: 0, ..this_cpu }, Blocks { rows_first_b: usize::MAX, ..this_cpu }];
+                [this_cpu].into_iter().chain(orders).chain(small.clone()).map(move |b| Path::Forced(isa, b))
+            })
             .chain([Path::Fastest])
             .collect()
     }
@@ -981,12 +1195,12 @@ mod tests {
             }
         }
         // Where the CPU has AVX-512, the wider tiles were among those checked (this thread's count).
-        let (pairs, quads) = WIDE_TILES_RUN.with(|n| n.get());
-        let wide_run = (pairs - wide_before.0, quads - wide_before.1);
+        let (pairs, quads, wides) = WIDE_TILES_RUN.with(|n| n.get());
+        let wide_run = (pairs - wide_before.0, quads - wide_before.1, wides - wide_before.2);
         if Isa::available().contains(&Isa::Avx512) {
-            assert!(wide_run.0 > 0 && wide_run.1 > 0, "AVX-512: pairs and quads run {wide_run:?}");
+            assert!(wide_run.0 > 0 && wide_run.1 > 0 && wide_run.2 > 0, "AVX-512: pairs, quads, wides {wide_run:?}");
         } else {
-            assert_eq!(wide_run, (0, 0), "no AVX-512, yet wide tiles ran");
+            assert_eq!(wide_run, (0, 0, 0), "no AVX-512, yet wide tiles ran");
         }
     }
 
@@ -1017,7 +1231,10 @@ mod tests {
     fn blocks_follow_the_caches() {
         // A Zen 3 core: 32 KiB L1d, 512 KiB L2, 32 MiB L3.
         let b = Blocks::from_caches(32 << 10, 512 << 10, 32 << 20);
-        assert_eq!(b, Blocks { kc: 1536, mc: 1362, nc: 1360, kc_small: 256, small_out: 256 << 10 });
+        assert_eq!(
+            b,
+            Blocks { kc: 1536, mc: 1362, nc: 1360, kc_small: 256, small_out: 256 << 10, rows_first_b: 256 << 10 }
+        );
         assert_eq!(b.mc % MR + b.nc % NR, 0);
         // A kc-deep panel of b: 3/16 of L2; a kc_small-deep one: half of L1.
         assert_eq!(4 * b.kc * NR, (512 << 10) * 3 / 16);
@@ -1027,8 +1244,17 @@ mod tests {
         assert_eq!((large(1536), large(2048), large(4000), large(7)), (1536, 1024, 1334, 7));
         // An output that fits in half of L2 (512 × 128 floats = 256 KiB): blocks of L1's size.
         assert_eq!((b.kc_for(512, 512, 128), b.kc_for(512, 513, 128), b.kc_for(600, 384, 128)), (256, 512, 200));
+        // BLIS's rule (the AVX2 tiles on an Intel core), on a Xeon's 48 KiB L1d and 2 MiB L2: a
+        // b panel of 384 steps in half of L1, 336 rows of a 384 steps deep (504 KiB) in a quarter of L2.
+        let intel = Blocks::l1_resident(48 << 10, 2 << 20, 105 << 20);
+        assert_eq!((intel.kc, intel.mc, intel.kc_for(1536, 1024, 1024)), (384, 336, 384));
+        assert_eq!((4 * intel.kc * NR, 4 * intel.mc * intel.kc), ((48 << 10) / 2, 516_096));
         let tiny = Blocks::from_caches(1, 1, 1);
-        assert_eq!(tiny, Blocks { kc: 64, mc: MR, nc: NR, kc_small: 64, small_out: 0 }, "at least one tile");
+        assert_eq!(
+            tiny,
+            Blocks { kc: 64, mc: MR, nc: NR, kc_small: 64, small_out: 0, rows_first_b: 0 },
+            "at least one tile"
+        );
     }
 
     #[test]
