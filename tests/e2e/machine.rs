@@ -19,7 +19,8 @@ use crate::common::*;
 /// sizes are another CPU's: 32K/128K unless the machine has a 32K L1d, then
 /// 48K/128K. A 128K L2 also makes the model's matmul block its contraction
 /// (at most 384 steps: the small preset's 1536-long ones in four blocks),
-/// where the real caches leave it whole.
+/// where the real caches leave it whole (but for the AVX2 tiles on an Intel
+/// core, which block by L1 already).
 fn fake_cpu_tree(name: &str) -> PathBuf {
     let dst = root().join("target/test-out").join(name); // one per test: they run in parallel
     let _ = std::fs::remove_dir_all(&dst);

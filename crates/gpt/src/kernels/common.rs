@@ -29,15 +29,38 @@ pub(super) fn avx2_fma() -> bool {
     false
 }
 
-/// `f` on every element of `x`: SIMD-wide where the CPU has AVX2.
+/// How many lanes the element-wise loops take: AVX-512's sixteen where the
+/// matmul takes its AVX-512 path (so that `FSDP_MATMUL=avx2` runs them as a
+/// CPU with AVX2 alone would), AVX2's eight where the CPU has it, else the
+/// baseline's four. The bits are the same in each (see [`avx2`]).
+#[inline(always)]
+pub(super) fn lanes() -> usize {
+    use super::matmul::Isa;
+    if Isa::in_use() == Isa::Avx512 {
+        16
+    } else if avx2() {
+        8
+    } else {
+        4
+    }
+}
+
+/// `f` on every element of `x`: SIMD-wide ([`lanes`]).
 #[inline(always)]
 pub(super) fn map_f32(x: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {
     zip_map_f32(x, x, move |v, _| f(v))
 }
 
-/// `f` on every pair of elements of `x` and `y`: SIMD-wide where the CPU has AVX2.
+/// `f` on every pair of elements of `x` and `y`: SIMD-wide ([`lanes`]).
 #[inline(always)]
 pub(super) fn zip_map_f32(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Copy) -> Vec<f32> {
+    zip_map_f32_in(lanes(), x, y, f)
+}
+
+/// [`zip_map_f32`] compiled for `lanes` lanes: 16 (AVX-512F) and 8 (AVX2)
+/// only where the CPU has them, anything else the baseline's 4.
+#[inline(always)]
+pub(super) fn zip_map_f32_in(lanes: usize, x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Copy) -> Vec<f32> {
     #[inline(always)]
     fn each(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
         out.iter_mut().zip(x.iter().zip(y)).for_each(|(o, (&a, &b))| _ = o.write(f(a, b)));
@@ -45,14 +68,25 @@ pub(super) fn zip_map_f32(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Co
     let len = x.len().min(y.len());
     let mut out = Vec::with_capacity(len); // not zeroed: every element is written below
     let dst = &mut out.spare_capacity_mut()[..len];
-    match avx2() {
+    match lanes {
         #[cfg(target_arch = "x86_64")]
-        true => {
+        16 => {
+            assert!(std::arch::is_x86_feature_detected!("avx512f"), "16 lanes need AVX-512F");
+            #[target_feature(enable = "avx512f")]
+            fn on_avx512(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
+                each(x, y, out, f)
+            }
+            // SAFETY: the CPU has AVX-512F (asserted).
+            unsafe { on_avx512(x, y, dst, f) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        8 => {
+            assert!(avx2(), "8 lanes need AVX2");
             #[target_feature(enable = "avx2")]
             fn on_avx2(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
                 each(x, y, out, f)
             }
-            // SAFETY: the CPU has AVX2 (detected).
+            // SAFETY: the CPU has AVX2 (asserted).
             unsafe { on_avx2(x, y, dst, f) }
         }
         _ => each(x, y, dst, f),

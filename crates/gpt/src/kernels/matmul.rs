@@ -23,9 +23,10 @@
 //! from the cache topology by a rule measured here ([`Blocks::from_caches`]:
 //! not BLIS's L1-sized `kc`, which measured slower at the lessons' shapes on
 //! a Zen 3 — but faster for the AVX2 tiles on an Intel core, which take it:
-//! [`Blocks::l1_resident`]). Where all of `b` stays in L2 and the tiles take
-//! twelve rows, the loops run rows first, each pair of row panels of `a`
-//! packed just before its tiles use it (see `products`).
+//! [`Blocks::l1_resident`]). Where one packed k-block of all of `b` fits in
+//! half of L2, the tiles take twelve rows (AVX-512) and `a`'s lines run
+//! along k, the loops run rows first, each pair of row panels of `a` packed
+//! just before its tiles use it (see `products`).
 //! Blocking the contraction does not split the chain: each `kc`-block
 //! *continues* it, the tile loading its accumulators from the output where
 //! the block before stored them (an f32 load and store are exact), so every
@@ -154,8 +155,9 @@ fn refuse(line: &str) -> ! {
 /// Block sizes, in elements: `kc` steps of the contraction, `mc` rows of
 /// `a` (a multiple of `MR`), `nc` columns of `b` (a multiple of `NR`); for
 /// an output of at most `small_out` bytes, `kc_small` steps instead. Where
-/// a packed k-block of all of `b` takes at most `rows_first_b` bytes, the
-/// rows-first order (see `products`).
+/// one packed k-block of all of `b` takes at most `rows_first_b` bytes (and
+/// the tiles take twelve rows, and `a`'s lines run along k), the loops run
+/// rows first (see `products`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Blocks {
     pub kc: usize,
@@ -183,6 +185,8 @@ impl Blocks {
         let mc = ((l3 / 4 / (4 * kc)) / MR * MR).max(MR);
         let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
         let kc_small = (l1 / 2 / (4 * NR)).clamp(64, kc);
+        // Rows first where one packed k-block of all of b fits in half of L2 (measured on an
+        // Intel Xeon; see `products`).
         Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2 }
     }
     // ANCHOR_END: blocks
@@ -220,12 +224,14 @@ impl Blocks {
 
     /// BLIS's rule, which the AVX2 tiles take on an Intel core: a `kc`-deep
     /// panel of `b` in half of L1, `mc` rows of `a` (`kc` deep) in a quarter
-    /// of L2. Measured on an Intel Xeon (model 167: 48 KiB L1d, 2 MiB L2)
+    /// of L2. Measured on one Intel Xeon (model 167: 48 KiB L1d, 2 MiB L2)
     /// through the AVX2 path, against [`Blocks::from_caches`]' blocks: the
     /// small preset's products and 1024³ 4–10% faster (kc 384, mc 96–384;
-    /// mc 768 lost it again). Its AVX-512 tiles, twice as wide, gained
-    /// nothing from it, and on a Zen 3 L1-sized k-blocks lost 4–12% at the
-    /// large outputs (see `from_caches`): those keep the rule above.
+    /// mc 768 lost it again); other Intel cores (client, hybrid) take it
+    /// unmeasured. Its AVX-512 tiles, twice as wide, gained nothing from it,
+    /// and on a Zen 3 L1-sized k-blocks lost 4–12% at the large outputs (see
+    /// `from_caches`): those keep that rule. Never rows first (the AVX2 tiles
+    /// take six rows).
     pub fn l1_resident(l1: usize, l2: usize, l3: usize) -> Blocks {
         let kc = (l1 / 2 / (4 * NR)).clamp(64, 1 << 14);
         let mc = ((l2 / 4 / (4 * kc)) / MR * MR).max(MR);
@@ -242,15 +248,24 @@ impl Blocks {
     /// (/sys/devices/system/cpu/cpu0/cache: L1d, L2, L3, read once; 32 KiB,
     /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::l1_resident`]
     /// for the AVX2 tiles on an Intel core, else by [`Blocks::from_caches`].
-    /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets them instead, for every path and
-    /// output size (no `kc_small`), to measure others: the bits are the same.
+    /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets the three sizes instead, for every
+    /// path and output size (no `kc_small`; where the loops run rows first
+    /// stays the rule's), to measure others: the bits are the same.
     pub fn for_path(isa: Isa) -> Blocks {
         use std::sync::OnceLock;
         static CPU: OnceLock<(Option<Blocks>, [usize; 3], bool)> = OnceLock::new();
         let (asked, [l1, l2, l3], intel) = *CPU.get_or_init(|| {
             let asked = Blocks::asked().unwrap_or_else(|e| refuse(&e));
-            let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-            let intel = cpuinfo.lines().any(|l| l.starts_with("vendor_id") && l.ends_with("GenuineIntel"));
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: CPUID leaf 0 (the vendor) exists on every x86-64 CPU.
+            #[allow(unused_unsafe)]
+            let intel = unsafe {
+                let v = std::arch::x86_64::__cpuid(0);
+                [v.ebx, v.edx, v.ecx]
+                    == [u32::from_le_bytes(*b"Genu"), u32::from_le_bytes(*b"ineI"), u32::from_le_bytes(*b"ntel")]
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let intel = false;
             let (mut l1, mut l2, mut l3) = (32 << 10, 512 << 10, 8 << 20);
             for i in 0..8 {
                 let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
@@ -267,11 +282,10 @@ impl Blocks {
             }
             (asked, [l1, l2, l3], intel)
         });
-        match asked {
-            Some(asked) => asked,
-            None if isa == Isa::Avx2 && intel => Blocks::l1_resident(l1, l2, l3),
-            None => Blocks::from_caches(l1, l2, l3),
-        }
+        let rule =
+            if isa == Isa::Avx2 && intel { Blocks::l1_resident(l1, l2, l3) } else { Blocks::from_caches(l1, l2, l3) };
+        // The knob sets the sizes; the loops' order stays the rule's.
+        asked.map_or(rule, |asked| Blocks { rows_first_b: rule.rows_first_b, ..asked })
     }
 }
 
@@ -377,183 +391,79 @@ fn products<T: Copy + 'static>(
         #[cfg(test)]
         Path::Forced(isa, blocks) => (isa, blocks),
     };
-    let Tiles { tile: tile_fn, pair: pair_fn, quad: quad_fn, wide: wide_fn } = tiles(isa);
+    let tiles = tiles(isa);
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
     let (kc, mcp, ncp) = (blocks.kc_for(k, m, n), (blocks.mc / MR).max(1), (blocks.nc / NR).max(1));
-    // Nothing is zeroed first: the first k-block's tiles store every element
-    // of the output without reading it, and the packing writes every element
-    // of its panels (the rows and columns past an edge as 0). At the lessons'
-    // shapes zeroing the three buffers cost more than packing them.
-    let mut out: Vec<f32> = Vec::with_capacity(len);
-    // Both operands packed whole, as [k-block][panel][k][row or column]: the
-    // panel of k-block k0 that the tile reads is contiguous, kb × MR or kb × NR.
-    // Each starts on a 64-byte line (malloc gives 16): a panel of b is 16 floats, so every load of
-    // a 16-lane row of it then reads one line, not two.
-    let (mut ap, mut bp) = (Vec::<f32>::with_capacity(mp * MR * k + 15), Vec::<f32>::with_capacity(np * NR * k + 15));
-    let (ap, bp) = (aligned(&mut ap, mp * MR * k), aligned(&mut bp, np * NR * k));
-    let k_blocks = || (0..k).step_by(kc).map(move |k0| (k0, kc.min(k - k0)));
-    let at_a = |k0: usize, kb: usize, p: usize| k0 * mp * MR + p * MR * kb;
-    let at_b = |k0: usize, kb: usize, q: usize| k0 * np * NR + q * NR * kb;
-    let mut edge = [0f32; MR * NR];
-    let mut wide_edge = [0f32; MR * 2 * NR];
-    // The chains so far of the tiles two row panels below `corner` (row panel p), 16 columns
-    // of 12 rows, on their way to L1 while the tile at `corner` computes.
-    let prefetch_next = |out: &[MaybeUninit<f32>], corner: usize, p: usize| {
-        prefetch_rows(out, corner + 2 * MR * n, n, (2 * MR).min(m.saturating_sub((p + 2) * MR)))
-    };
-    // Rows first where a packed k-block of all of b stays in L2 (the tiny preset's products with
-    // N = 128, say): each pair of row panels of a is packed into `arows`, in L1, just before the
-    // tiles sweep it across every column panel, instead of all of a into `ap` (as much memory as a,
+    // Rows first where one packed k-block of all of b takes at most `rows_first_b` bytes (half
+    // of L2; the tiny preset's products with N = 128, say): each pair of row panels of a is packed
+    // into `arows` (48 bytes per step of k: in L1 at the lessons' shapes) just before the tiles
+    // sweep it across every column panel, instead of all of a into `ap` (as much memory as a,
     // written to L2 and read back for every column panel). At M = K = 512, N = 128 that packing
     // was a sixth of the product's time, and rows first made those products 10-11% faster on
     // AVX-512 (an Intel Xeon, model 167). Only where the tiles take twelve rows (AVX-512: with six,
     // b is swept twice as often, and the AVX2 path's tiny products ran 3-8% slower) and a's lines
     // run along k (x, g; a transposed gᵀ, packed two panels at a time, lost 2-3%).
     let rows_first =
-        pair_fn.is_some() && a.col_stride == 1 && a.row_stride != 1 && 4 * np * NR * kc <= blocks.rows_first_b;
-    let mut arows = vec![0f32; if rows_first { 2 * MR * kc } else { 0 }];
+        tiles.avx512.is_some() && a.col_stride == 1 && a.row_stride != 1 && 4 * np * NR * kc <= blocks.rows_first_b;
+    #[cfg(test)]
+    ROWS_FIRST_RUN.with(|n| n.set(n.get() + rows_first as usize));
+    // Nothing is zeroed first: the first k-block's tiles store every element
+    // of the output without reading it, and the packing writes every element
+    // of its panels (the rows and columns past an edge as 0). At the lessons'
+    // shapes zeroing the three buffers cost more than packing them.
+    let mut out: Vec<f32> = Vec::with_capacity(len);
+    // Both operands packed whole (rows first: b whole, a two row panels at a time), as
+    // [k-block][panel][k][row or column]: the panel of k-block k0 that the tile reads is
+    // contiguous, kb × MR or kb × NR. Each starts on a 64-byte line (malloc gives 16): a panel
+    // of b is 16 floats wide, so every load of a 16-lane row of it then reads one line, not two.
+    let a_len = if rows_first { 2 * MR * kc } else { mp * MR * k };
+    let (mut ap, mut bp) = (Vec::<f32>::with_capacity(a_len + 15), Vec::<f32>::with_capacity(np * NR * k + 15));
+    let (ap, bp) = (aligned(&mut ap, a_len), aligned(&mut bp, np * NR * k));
+    let k_blocks = || (0..k).step_by(kc).map(move |k0| (k0, kc.min(k - k0)));
+    let at_a = |k0: usize, kb: usize, p: usize| k0 * mp * MR + p * MR * kb;
+    let at_b = |k0: usize, kb: usize, q: usize| k0 * np * NR + q * NR * kb;
+    let mut edge = [0f32; MR * 2 * NR];
     let items = a.batch_offsets.iter().zip(&b.batch_offsets);
     for ((&ao, &bo), out) in items.zip(out.spare_capacity_mut()[..len].chunks_exact_mut(m * n)) {
-        if rows_first {
-            for (k0, kb) in k_blocks() {
-                let b_view = View { at: bo + k0 * b.row_stride, len: n, stride: b.col_stride, k_stride: b.row_stride };
-                pack::<_, NR>(isa, &b_view, y, kb, widen, &mut bp[at_b(k0, kb, 0)..][..np * NR * kb]);
-            }
-            // SAFETY: `pack` wrote every element (all k-blocks, every panel).
-            let bp = unsafe { assume_init(bp) };
-            for (k0, kb) in k_blocks() {
-                let load = k0 > 0; // continue each element's chain where the block before left it
-                let mut p = 0;
-                while p < mp {
-                    // Two row panels where the path has 12-row tiles and two full panels remain.
-                    let two = pair_fn.is_some() && p + 1 < mp && m >= (p + 2) * MR;
-                    let panels = if two { 2 } else { 1 };
-                    let rows = (panels * MR).min(m - p * MR);
-                    let at = ao + k0 * a.col_stride + p * MR * a.row_stride;
-                    let a_view = View { at, len: rows, stride: a.row_stride, k_stride: a.col_stride };
-                    // SAFETY: `pack` writes f32 values only, every element of its panels.
-                    pack::<_, MR>(isa, &a_view, x, kb, widen, unsafe {
-                        &mut as_uninit(&mut arows)[..panels * MR * kb]
-                    });
-                    let (a0, a1) = arows[..panels * MR * kb].split_at(MR * kb);
-                    let mut q = 0;
-                    while q < np {
-                        let corner = (p * MR) * n + q * NR;
-                        let cols = NR.min(n - q * NR);
-                        let two_cols = q + 1 < np && n >= (q + 2) * NR;
-                        let bpanel = |q: usize| &bp[at_b(k0, kb, q)..][..NR * kb];
-                        match (quad_fn.filter(|_| two && two_cols), wide_fn.filter(|_| !two && two_cols)) {
-                            (Some(quad), _) => {
-                                quad(kb, [a0, a1], [bpanel(q), bpanel(q + 1)], &mut out[corner..], n, load);
-                                q += 2;
-                            }
-                            (_, Some(wide)) => {
-                                let run = |c: &mut [MaybeUninit<f32>], ldc| {
-                                    wide(kb, a0, [bpanel(q), bpanel(q + 1)], c, ldc, load)
-                                };
-                                in_place_or_edge(out, corner, n, rows, 2 * NR, load, &mut wide_edge, run);
-                                q += 2;
-                            }
-                            _ if two && cols == NR && pair_fn.is_some() => {
-                                pair_fn.unwrap()(kb, a0, a1, bpanel(q), &mut out[corner..], n, load);
-                                q += 1;
-                            }
-                            _ => {
-                                for (i, apanel) in [a0, a1].into_iter().take(panels).enumerate() {
-                                    let (corner, rows) = (corner + i * MR * n, MR.min(rows - i * MR));
-                                    let run =
-                                        |c: &mut [MaybeUninit<f32>], ldc| tile_fn(kb, apanel, bpanel(q), c, ldc, load);
-                                    in_place_or_edge(out, corner, n, rows, cols, load, &mut edge, run);
-                                }
-                                q += 1;
-                            }
-                        }
-                    }
-                    p += panels;
-                }
-            }
-            continue;
-        }
+        // a's rows as panels of MR, b's columns as panels of NR; k runs along a's columns and b's rows.
+        let a_view = |k0: usize, p: usize, rows: usize| View {
+            at: ao + k0 * a.col_stride + p * MR * a.row_stride,
+            len: rows,
+            stride: a.row_stride,
+            k_stride: a.col_stride,
+        };
         for (k0, kb) in k_blocks() {
-            // a's rows as panels of MR, b's columns as panels of NR; k runs along a's columns and b's rows.
-            let a_view = View { at: ao + k0 * a.col_stride, len: m, stride: a.row_stride, k_stride: a.col_stride };
-            pack::<_, MR>(isa, &a_view, x, kb, widen, &mut ap[at_a(k0, kb, 0)..][..mp * MR * kb]);
+            if !rows_first {
+                pack::<_, MR>(isa, &a_view(k0, 0, m), x, kb, widen, &mut ap[at_a(k0, kb, 0)..][..mp * MR * kb]);
+            }
             let b_view = View { at: bo + k0 * b.row_stride, len: n, stride: b.col_stride, k_stride: b.row_stride };
             pack::<_, NR>(isa, &b_view, y, kb, widen, &mut bp[at_b(k0, kb, 0)..][..np * NR * kb]);
         }
-        // SAFETY: `pack` wrote every element of both (all k-blocks, every panel).
-        let (ap, bp) = unsafe { (assume_init(ap), assume_init(bp)) };
+        // SAFETY: `pack` wrote every element of b (all k-blocks, every panel).
+        let bp = unsafe { assume_init(bp) };
+        let bpanel = |k0: usize, kb: usize| move |q: usize| &bp[at_b(k0, kb, q)..][..NR * kb];
         for (k0, kb) in k_blocks() {
             let load = k0 > 0; // continue each element's chain where the block before left it
+            if rows_first {
+                for p in (0..mp).step_by(2) {
+                    let rows = (2 * MR).min(m - p * MR);
+                    let panels = rows.div_ceil(MR);
+                    pack::<_, MR>(isa, &a_view(k0, p, rows), x, kb, widen, &mut ap[..panels * MR * kb]);
+                    // SAFETY: `pack` wrote every element of this pair's (or one's) panels.
+                    let ap = unsafe { assume_init(&ap[..panels * MR * kb]) };
+                    let apanel = |pp: usize| &ap[(pp - p) * MR * kb..][..MR * kb];
+                    let sweep = Sweep { kb, load, m, n, ps: p..p + panels, qs: 0..np };
+                    sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge);
+                }
+                continue;
+            }
+            // SAFETY: `pack` wrote every element of a (all k-blocks, every panel).
+            let ap = unsafe { assume_init(ap) };
             for q0 in (0..np).step_by(ncp) {
                 for p0 in (0..mp).step_by(mcp) {
-                    let (q_end, p_end) = (np.min(q0 + ncp), mp.min(p0 + mcp));
-                    let mut q = q0;
-                    while q < q_end {
-                        // Two full column panels at once where the CPU has AVX-512: 12 × 32 tiles (two
-                        // row panels too), the same chains, about half the loads per FMA (14 per 24, not 13 per 12).
-                        let quad = quad_fn.filter(|_| q + 1 < q_end && n >= (q + 2) * NR);
-                        let mut p = p0;
-                        if let Some(quad) = quad {
-                            let bpanels = [&bp[at_b(k0, kb, q)..][..NR * kb], &bp[at_b(k0, kb, q + 1)..][..NR * kb]];
-                            while p + 1 < p_end && m >= (p + 2) * MR {
-                                let corner = (p * MR) * n + q * NR;
-                                if load {
-                                    prefetch_next(out, corner, p);
-                                    prefetch_next(out, corner + NR, p);
-                                }
-                                let apanels =
-                                    [&ap[at_a(k0, kb, p)..][..MR * kb], &ap[at_a(k0, kb, p + 1)..][..MR * kb]];
-                                quad(kb, apanels, bpanels, &mut out[corner..], n, load);
-                                p += 2;
-                            }
-                            // The row panels a quad leaves (one, or an edge: m = 128 leaves 8 rows) against
-                            // the same two column panels: 6 × 32 tiles, not the 6 × 16 AVX2 tile twice.
-                            while let Some(wide) = wide_fn.filter(|_| p < p_end) {
-                                let (rows, corner) = (MR.min(m - p * MR), (p * MR) * n + q * NR);
-                                if load {
-                                    prefetch_next(out, corner, p);
-                                    prefetch_next(out, corner + NR, p);
-                                }
-                                let apanel = &ap[at_a(k0, kb, p)..][..MR * kb];
-                                let run = |c: &mut [MaybeUninit<f32>], ldc| wide(kb, apanel, bpanels, c, ldc, load);
-                                in_place_or_edge(out, corner, n, rows, 2 * NR, load, &mut wide_edge, run);
-                                p += 1;
-                            }
-                        }
-                        // The rows left (all of them without a 12 × 32 tile), one column panel at a time.
-                        let (p_rest, width) = (p, if quad.is_some() { 2 } else { 1 });
-                        for q in q..q + width {
-                            let bpanel = &bp[at_b(k0, kb, q)..][..NR * kb];
-                            let cols = NR.min(n - q * NR);
-                            let mut p = p_rest;
-                            while p < p_end {
-                                let rows = MR.min(m - p * MR);
-                                let corner = (p * MR) * n + q * NR;
-                                if load {
-                                    prefetch_next(out, corner, p);
-                                }
-                                let apanel = &ap[at_a(k0, kb, p)..][..MR * kb];
-                                // Two full row panels at once where the CPU has AVX-512 (a lone
-                                // or leftover column panel): the same chains, twice the accumulators in flight.
-                                let full_pair = p + 1 < p_end && cols == NR && m >= (p + 2) * MR;
-                                match pair_fn.filter(|_| full_pair) {
-                                    Some(pair) => {
-                                        let apanel1 = &ap[at_a(k0, kb, p + 1)..][..MR * kb];
-                                        pair(kb, apanel, apanel1, bpanel, &mut out[corner..], n, load);
-                                        p += 2;
-                                    }
-                                    None => {
-                                        let run =
-                                            |c: &mut [MaybeUninit<f32>], ldc| tile_fn(kb, apanel, bpanel, c, ldc, load);
-                                        in_place_or_edge(out, corner, n, rows, cols, load, &mut edge, run);
-                                        p += 1;
-                                    }
-                                }
-                            }
-                        }
-                        q += width;
-                    }
+                    let apanel = |p: usize| &ap[at_a(k0, kb, p)..][..MR * kb];
+                    let sweep = Sweep { kb, load, m, n, ps: p0..mp.min(p0 + mcp), qs: q0..np.min(q0 + ncp) };
+                    sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge);
                 }
             }
         }
@@ -561,6 +471,89 @@ fn products<T: Copy + 'static>(
     // SAFETY: the first k-block's tiles (k > 0 here) stored every element of every item's output.
     unsafe { out.set_len(len) };
     out
+}
+
+/// One k-block's tiles over a block of the output: row panels `ps` of an
+/// `m` × `n` output against column panels `qs`, `kb` steps of k, each chain
+/// continued from the output (`load`) or started.
+struct Sweep {
+    kb: usize,
+    load: bool,
+    m: usize,
+    n: usize,
+    ps: std::ops::Range<usize>,
+    qs: std::ops::Range<usize>,
+}
+
+impl Sweep {
+    /// Column panels outer, row panels inner, the widest tiles that fit
+    /// (`apanel(p)`, `bpanel(q)`: the packed panels, `kb` deep); edge tiles
+    /// through `edge`.
+    fn run<'a, 'b>(
+        &self,
+        tiles: &Tiles,
+        apanel: impl Fn(usize) -> &'a [f32],
+        bpanel: impl Fn(usize) -> &'b [f32],
+        out: &mut [MaybeUninit<f32>],
+        edge: &mut [f32; MR * 2 * NR],
+    ) {
+        let Sweep { kb, load, m, n, .. } = *self;
+        let (ps, qs) = (self.ps.clone(), self.qs.clone());
+        let corner = |p: usize, q: usize| (p * MR) * n + q * NR;
+        let rows = |p: usize| MR.min(m - p * MR);
+        // The chains so far of the tiles two row panels below `corner` (row panel p), 16 columns
+        // of 12 rows, on their way to L1 while the tile at `corner` computes.
+        let prefetch_next = |out: &[MaybeUninit<f32>], p: usize, q: usize| {
+            if load {
+                prefetch_rows(out, corner(p + 2, q), n, (2 * MR).min(m.saturating_sub((p + 2) * MR)))
+            }
+        };
+        let mut q = qs.start;
+        while q < qs.end {
+            let mut p = ps.start;
+            // Two full column panels at once where the CPU has AVX-512: 12 × 32 tiles (two row panels
+            // too), the same chains, about half the loads per FMA (14 per 24, not 13 per 12); a
+            // 6 × 32 tile for a row panel they leave (one, or an edge: m = 128 leaves a full panel
+            // and one of two rows), not the 6 × 16 AVX2 tile twice.
+            if let Some((_, quad, wide)) = tiles.avx512.filter(|_| q + 1 < qs.end && n >= (q + 2) * NR) {
+                let bpanels = [bpanel(q), bpanel(q + 1)];
+                while p < ps.end {
+                    prefetch_next(out, p, q);
+                    prefetch_next(out, p, q + 1);
+                    if p + 1 < ps.end && m >= (p + 2) * MR {
+                        quad(kb, [apanel(p), apanel(p + 1)], bpanels, &mut out[corner(p, q)..], n, load);
+                        p += 2;
+                    } else {
+                        let run = |c: &mut [MaybeUninit<f32>], ldc| wide(kb, apanel(p), bpanels, c, ldc, load);
+                        in_place_or_edge(out, corner(p, q), n, rows(p), 2 * NR, 2 * NR, load, edge, run);
+                        p += 1;
+                    }
+                }
+                q += 2;
+                continue;
+            }
+            // One column panel (a lone or an edge one): two full row panels at once where the CPU has
+            // AVX-512 (12 × 16, the same chains, twice the accumulators in flight), else 6 × 16.
+            let cols = NR.min(n - q * NR);
+            while p < ps.end {
+                prefetch_next(out, p, q);
+                let full_pair = p + 1 < ps.end && cols == NR && m >= (p + 2) * MR;
+                match tiles.avx512.filter(|_| full_pair) {
+                    Some((pair, _, _)) => {
+                        pair(kb, apanel(p), apanel(p + 1), bpanel(q), &mut out[corner(p, q)..], n, load);
+                        p += 2;
+                    }
+                    None => {
+                        let run =
+                            |c: &mut [MaybeUninit<f32>], ldc| (tiles.tile)(kb, apanel(p), bpanel(q), c, ldc, load);
+                        in_place_or_edge(out, corner(p, q), n, rows(p), cols, NR, load, edge, run);
+                        p += 1;
+                    }
+                }
+            }
+            q += 1;
+        }
+    }
 }
 
 /// One operand as the packing reads it: element (i, kk) of the panels'
@@ -763,33 +756,33 @@ fn pack_each<T: Copy, const W: usize>(
     }
 }
 
-/// Runs a tile (`run(c, ldc)`) at `corner` of `out` (row stride `n`), of
-/// which `rows` × `cols` lie inside the output: in place when that is all of
-/// it (as wide as `scratch`'s rows, `MR` rows), else through `scratch`, the
+/// Runs a tile `width` columns wide and `MR` rows high (`run(c, ldc)`) at
+/// `corner` of `out` (row stride `n`), of which `rows` × `cols` lie inside
+/// the output: in place when that is all of it, else through `scratch`, the
 /// valid part copied in (with `load`: the chains so far) and back out.
 #[allow(clippy::too_many_arguments)]
-fn in_place_or_edge<const L: usize>(
+fn in_place_or_edge(
     out: &mut [MaybeUninit<f32>],
     corner: usize,
     n: usize,
     rows: usize,
     cols: usize,
+    width: usize,
     load: bool,
-    scratch: &mut [f32; L],
+    scratch: &mut [f32; MR * 2 * NR],
     run: impl FnOnce(&mut [MaybeUninit<f32>], usize),
 ) {
-    let w = L / MR; // the tile's width
-    if rows == MR && cols == w {
+    if rows == MR && cols == width {
         return run(&mut out[corner..], n);
     }
     // SAFETY: the tile writes f32 values only.
-    let e = unsafe { as_uninit(scratch) };
+    let e = unsafe { as_uninit(&mut scratch[..MR * width]) };
     for r in 0..if load { rows } else { 0 } {
-        e[r * w..][..cols].copy_from_slice(&out[corner + r * n..][..cols]);
+        e[r * width..][..cols].copy_from_slice(&out[corner + r * n..][..cols]);
     }
-    run(e, w);
+    run(e, width);
     for r in 0..rows {
-        out[corner + r * n..][..cols].copy_from_slice(&e[r * w..][..cols]);
+        out[corner + r * n..][..cols].copy_from_slice(&e[r * width..][..cols]);
     }
 }
 
@@ -847,25 +840,21 @@ type QuadFn = fn(usize, [&[f32]; 2], [&[f32]; 2], &mut [MaybeUninit<f32>], usize
 /// One row panel against two column panels: the two tiles side by side in `c`.
 type WideFn = fn(usize, &[f32], [&[f32]; 2], &mut [MaybeUninit<f32>], usize, bool);
 
-/// The register tiles of one path: 6 × 16 (every path), and where the CPU
-/// has AVX-512 12 × 16 (`pair`), 12 × 32 (`quad`) and 6 × 32 (`wide`).
+/// The register tiles of one path: 6 × 16 on every path, and where the CPU
+/// has AVX-512 12 × 16 (pair), 12 × 32 (quad) and 6 × 32 (wide).
 struct Tiles {
     tile: TileFn,
-    pair: Option<PairFn>,
-    quad: Option<QuadFn>,
-    wide: Option<WideFn>,
+    avx512: Option<(PairFn, QuadFn, WideFn)>,
 }
 
 /// The tiles of `isa`: the same bits from each, only faster.
 fn tiles(isa: Isa) -> Tiles {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            Tiles { tile: tile_avx2, pair: Some(pair_avx512), quad: Some(quad_avx512), wide: Some(wide_avx512) }
-        }
+        Isa::Avx512 => Tiles { tile: tile_avx2, avx512: Some((pair_avx512, quad_avx512, wide_avx512)) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => Tiles { tile: tile_avx2, pair: None, quad: None, wide: None },
-        _ => Tiles { tile: tile_portable, pair: None, quad: None, wide: None },
+        Isa::Avx2 => Tiles { tile: tile_avx2, avx512: None },
+        _ => Tiles { tile: tile_portable, avx512: None },
     }
 }
 
@@ -930,6 +919,8 @@ unsafe fn tile_avx2_inner(k: usize, ap: *const f32, bp: *const f32, c: *mut f32,
 #[cfg(test)]
 thread_local! {
     static WIDE_TILES_RUN: std::cell::Cell<(usize, usize, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
+    // How many products ran rows first: likewise.
+    static ROWS_FIRST_RUN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1142,15 +1133,21 @@ mod tests {
         // pair cannot either); two by two with k-blocks of 5; three by three (an odd one of each).
         let small =
             [Blocks::fixed(7, 6, 16), Blocks::fixed(5, 6, 32), Blocks::fixed(5, 12, 32), Blocks::fixed(64, 18, 48)];
-        // Each also in the rows-first order (mc, nc play no part in it).
-        let both = small.into_iter().flat_map(|b| [b, Blocks { rows_first_b: usize::MAX, ..b }]);
-        let small: Vec<Blocks> = both.collect();
         Isa::available()
             .into_iter()
             .flat_map(|isa| {
                 let this_cpu = Blocks::for_path(isa);
-                let orders = [Blocks { rows_first_b: 0, ..this_cpu }, Blocks { rows_first_b: usize::MAX, ..this_cpu }];
-                [this_cpu].into_iter().chain(orders).chain(small.clone()).map(move |b| Path::Forced(isa, b))
+                let mut blocks = vec![this_cpu];
+                blocks.extend(small);
+                // Where the tiles take twelve rows, each also in both orders (mc, nc play no part in rows first).
+                if isa == Isa::Avx512 {
+                    blocks.extend([
+                        Blocks { rows_first_b: 0, ..this_cpu },
+                        Blocks { rows_first_b: usize::MAX, ..this_cpu },
+                    ]);
+                    blocks.extend(small.map(|b| Blocks { rows_first_b: usize::MAX, ..b }));
+                }
+                blocks.into_iter().map(move |b| Path::Forced(isa, b))
             })
             .chain([Path::Fastest])
             .collect()
@@ -1162,9 +1159,12 @@ mod tests {
         // enough that a chain split into k-blocks would show if it were not continued.
         // (7, 9, 40): fewer rows than two panels (no 12 × 32 tile fits) beside two full column panels;
         // (13, 20, 150): a plain b of ten column panels, packed in groups of eight, the last with an
-        // edge; (13, 20, 144): nine, the last alone and without an edge.
+        // edge; (13, 20, 144): nine, the last alone and without an edge; (3, 20, 40): one row panel,
+        // an edge; (13, 20, 5): one column panel, an edge.
         let shapes = [
             (1, 1, 1),
+            (3, 20, 40),
+            (13, 20, 5),
             (7, 3, 17),
             (7, 9, 40),
             (13, 20, 150),
@@ -1176,6 +1176,7 @@ mod tests {
             (25, 17, 80),
         ];
         let wide_before = WIDE_TILES_RUN.with(|n| n.get());
+        let rows_first_before = ROWS_FIRST_RUN.with(|n| n.get());
         for &(m, k, n) in &shapes {
             // b plain, and b as wᵀ (a linear layer's weight, its lines along k, packed by transposes)
             let (a, b, w) = (random(&[m, k], 1), random(&[k, n], 2), random(&[n, k], 3));
@@ -1197,10 +1198,12 @@ mod tests {
         // Where the CPU has AVX-512, the wider tiles were among those checked (this thread's count).
         let (pairs, quads, wides) = WIDE_TILES_RUN.with(|n| n.get());
         let wide_run = (pairs - wide_before.0, quads - wide_before.1, wides - wide_before.2);
+        let rows_first_run = ROWS_FIRST_RUN.with(|n| n.get()) - rows_first_before;
         if Isa::available().contains(&Isa::Avx512) {
             assert!(wide_run.0 > 0 && wide_run.1 > 0 && wide_run.2 > 0, "AVX-512: pairs, quads, wides {wide_run:?}");
+            assert!(rows_first_run > 0, "AVX-512: nothing ran rows first");
         } else {
-            assert_eq!(wide_run, (0, 0, 0), "no AVX-512, yet wide tiles ran");
+            assert_eq!((wide_run, rows_first_run), ((0, 0, 0), 0), "no AVX-512, yet wide tiles or rows first ran");
         }
     }
 

@@ -217,6 +217,7 @@ impl CustomOp2 for BiasAdd {
 #[cfg(test)]
 mod tests {
     use super::super::common::testing::{self, max_diff};
+    use super::super::common::zip_map_f32_in;
     use super::*;
     use candle_core::{Device, Var};
 
@@ -275,9 +276,9 @@ mod tests {
     }
 
     #[test]
-    fn eight_lanes_give_the_bits_of_one() {
-        // The element-wise loops run AVX2-wide where the CPU has it; each
-        // element must still be the scalar formula's bits. Values across
+    fn every_width_gives_the_bits_of_one() {
+        // The element-wise loops run AVX2-wide where the CPU has it, AVX-512-wide
+        // on the AVX-512 path; each element must still be the scalar formula's bits. Values across
         // GELU's whole range, edges included: ±0, tiny, huge, ±∞, NaN (a NaN
         // need only stay a NaN: its sign and payload are the hardware's).
         let mut rng = crate::rng::SplitMix64::new(11);
@@ -293,6 +294,19 @@ mod tests {
         };
         check("gelu", map_f32(&x, gelu_f32), &|i| gelu_f32(x[i]));
         check("gelu backward", zip_map_f32(&x, &g, |x, g| g * dgelu_f32(x)), &|i| g[i] * dgelu_f32(x[i]));
+        // Every width this CPU runs, whichever the path in use takes.
+        let mut widths = vec![4];
+        #[cfg(target_arch = "x86_64")]
+        widths.extend(
+            [(8, std::arch::is_x86_feature_detected!("avx2")), (16, std::arch::is_x86_feature_detected!("avx512f"))]
+                .into_iter()
+                .filter_map(|(w, has)| has.then_some(w)),
+        );
+        for w in widths {
+            check(&format!("gelu, {w} lanes"), zip_map_f32_in(w, &x, &x, |v, _| gelu_f32(v)), &|i| gelu_f32(x[i]));
+            let backward = zip_map_f32_in(w, &x, &g, |x, g| g * dgelu_f32(x));
+            check(&format!("gelu backward, {w} lanes"), backward, &|i| g[i] * dgelu_f32(x[i]));
+        }
     }
 
     /// The f32 `exp` and `erf` against `libm` (f64) over their whole useful range.
