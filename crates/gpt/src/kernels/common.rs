@@ -7,8 +7,9 @@ use std::mem::MaybeUninit;
 use super::matmul::{Operand, products_f32, products_f64};
 use super::softmax::{backward_rows_f32, backward_rows_f64, forward_rows_f32, forward_rows_f64};
 
-/// Whether the element-wise loops below, and LayerNorm's, may take AVX2's
-/// eight lanes (the build's baseline, SSE2, has four). The bits cannot differ: without
+/// Whether the CPU has AVX2: LayerNorm's loops, and the element-wise loops
+/// below (see [`lanes`]), may take its eight lanes (the build's baseline,
+/// SSE2, has four). The bits cannot differ: without
 /// fast-math the compiler vectorises only what is element-wise and keeps
 /// every rounding (it fuses no multiply and add the code does not fuse).
 #[inline(always)]
@@ -32,7 +33,9 @@ pub(super) fn avx2_fma() -> bool {
 /// How many lanes the element-wise loops take: AVX-512's sixteen where the
 /// matmul takes its AVX-512 path (so that `FSDP_MATMUL=avx2` runs them as a
 /// CPU with AVX2 alone would), AVX2's eight where the CPU has it, else the
-/// baseline's four. The bits are the same in each (see [`avx2`]).
+/// baseline's four. The bits are the same in each (see [`avx2`]). Like the
+/// matmul, it ends the process (exit 2, one line) if `FSDP_MATMUL` names a
+/// path this CPU lacks: the lessons check it first (`check_matmul_env`).
 #[inline(always)]
 pub(super) fn lanes() -> usize {
     use super::matmul::Isa;

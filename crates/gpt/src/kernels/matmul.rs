@@ -249,8 +249,9 @@ impl Blocks {
     /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::l1_resident`]
     /// for the AVX2 tiles on an Intel core, else by [`Blocks::from_caches`].
     /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets the three sizes instead, for every
-    /// path and output size (no `kc_small`; where the loops run rows first
-    /// stays the rule's), to measure others: the bits are the same.
+    /// path and output size (no `kc_small`; the threshold `rows_first_b`
+    /// stays the rule's, so which products run rows first follows KC, and
+    /// MC and NC play no part in those), to measure others: the bits are the same.
     pub fn for_path(isa: Isa) -> Blocks {
         use std::sync::OnceLock;
         static CPU: OnceLock<(Option<Blocks>, [usize; 3], bool)> = OnceLock::new();
@@ -396,7 +397,7 @@ fn products<T: Copy + 'static>(
     let (kc, mcp, ncp) = (blocks.kc_for(k, m, n), (blocks.mc / MR).max(1), (blocks.nc / NR).max(1));
     // Rows first where one packed k-block of all of b takes at most `rows_first_b` bytes (half
     // of L2; the tiny preset's products with N = 128, say): each pair of row panels of a is packed
-    // into `arows` (48 bytes per step of k: in L1 at the lessons' shapes) just before the tiles
+    // into the start of `ap` (48 bytes per step of k: in L1 at the lessons' shapes) just before the tiles
     // sweep it across every column panel, instead of all of a into `ap` (as much memory as a,
     // written to L2 and read back for every column panel). At M = K = 512, N = 128 that packing
     // was a sixth of the product's time, and rows first made those products 10-11% faster on
@@ -452,7 +453,7 @@ fn products<T: Copy + 'static>(
                     // SAFETY: `pack` wrote every element of this pair's (or one's) panels.
                     let ap = unsafe { assume_init(&ap[..panels * MR * kb]) };
                     let apanel = |pp: usize| &ap[(pp - p) * MR * kb..][..MR * kb];
-                    let sweep = Sweep { kb, load, m, n, ps: p..p + panels, qs: 0..np };
+                    let sweep = Sweep { kb, load, prefetch: false, m, n, ps: p..p + panels, qs: 0..np };
                     sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge);
                 }
                 continue;
@@ -462,7 +463,8 @@ fn products<T: Copy + 'static>(
             for q0 in (0..np).step_by(ncp) {
                 for p0 in (0..mp).step_by(mcp) {
                     let apanel = |p: usize| &ap[at_a(k0, kb, p)..][..MR * kb];
-                    let sweep = Sweep { kb, load, m, n, ps: p0..mp.min(p0 + mcp), qs: q0..np.min(q0 + ncp) };
+                    let sweep =
+                        Sweep { kb, load, prefetch: true, m, n, ps: p0..mp.min(p0 + mcp), qs: q0..np.min(q0 + ncp) };
                     sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge);
                 }
             }
@@ -479,6 +481,9 @@ fn products<T: Copy + 'static>(
 struct Sweep {
     kb: usize,
     load: bool,
+    /// Prefetch the chains so far of the tiles two row panels below (columns first only: rows
+    /// first reaches them after a whole sweep of b, by when L1 would have lost them).
+    prefetch: bool,
     m: usize,
     n: usize,
     ps: std::ops::Range<usize>,
@@ -497,14 +502,14 @@ impl Sweep {
         out: &mut [MaybeUninit<f32>],
         edge: &mut [f32; MR * 2 * NR],
     ) {
-        let Sweep { kb, load, m, n, .. } = *self;
+        let Sweep { kb, load, prefetch, m, n, .. } = *self;
         let (ps, qs) = (self.ps.clone(), self.qs.clone());
         let corner = |p: usize, q: usize| (p * MR) * n + q * NR;
         let rows = |p: usize| MR.min(m - p * MR);
         // The chains so far of the tiles two row panels below `corner` (row panel p), 16 columns
         // of 12 rows, on their way to L1 while the tile at `corner` computes.
         let prefetch_next = |out: &[MaybeUninit<f32>], p: usize, q: usize| {
-            if load {
+            if load && prefetch {
                 prefetch_rows(out, corner(p + 2, q), n, (2 * MR).min(m.saturating_sub((p + 2) * MR)))
             }
         };
