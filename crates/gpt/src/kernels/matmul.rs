@@ -387,7 +387,7 @@ fn products<T: Copy + 'static>(
         return vec![0f32; len]; // an empty sum is 0
     }
     let (isa, blocks) = match path {
-        Path::Fastest => (Isa::in_use(), Blocks::for_path(Isa::in_use())),
+        Path::Fastest => (Isa::in_use(), Blocks::for_this_cpu()),
         Path::On(isa) => (isa, Blocks::for_path(isa)),
         #[cfg(test)]
         Path::Forced(isa, blocks) => (isa, blocks),
