@@ -31,11 +31,15 @@
 //! *continues* it, the tile loading its accumulators from the output where
 //! the block before stored them (an f32 load and store are exact), so every
 //! element is still one chain over k in order, whatever the block sizes —
-//! which the cache sizes may therefore choose freely.
+//! which the cache sizes may therefore choose freely. The packing asks for
+//! the lines it will read next (`common::prefetch`), since the
+//! operands often come from L3, where the op before left them.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 use std::mem::MaybeUninit;
+
+use super::common::prefetch;
 
 /// Rows of `a` per register tile.
 const MR: usize = 6;
@@ -642,6 +646,14 @@ fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut 
     let k8 = kb / 8 * 8;
     for (p, panel) in panels.chunks_exact_mut(W * kb).take(full).enumerate() {
         let base = v.at + p * W * v.stride;
+        // a's panels (x or g, which the op before left in L3 as often as not) ask for the next
+        // panel's lines while this one is packed (see `pack_each`); b's (wᵀ, a weight, warm) do
+        // not: asking cost the products whose operands sat in L2 up to 5%.
+        if W == MR {
+            for w in 0..W {
+                (0..kb).step_by(16).for_each(|kk| prefetch(x.as_ptr().wrapping_add(base + (W + w) * v.stride + kk)));
+            }
+        }
         let lines: [&[f32]; W] = std::array::from_fn(|w| &x[base + w * v.stride..][..kb]);
         let dst = panel.as_mut_ptr().cast::<f32>();
         // SAFETY: every load reads lines[w][kk..kk + 8] with kk + 8 ≤ kb, a line's length; every
@@ -714,10 +726,19 @@ fn pack_each<T: Copy, const W: usize>(
         // 4 KiB; at kb = 256 and W = 6, panels lie 6 KiB apart: two sets). All the panels at once (64 for
         // a 384-row gᵀ) thrashed those sets: the tiny gᵀ·x products ran at 0.6–0.76 of their rate on
         // AVX-512 (a Zen 5). Eight panels put four stores in a set, well within its 8–12 ways.
+        //
+        // Each step also asks for the run eight steps on: packing reads `a` and `b` where the op
+        // before left them, often in L3, and there the loads waited (on an Intel Xeon, model 167,
+        // the tiny preset's products ran 16-21% slower with 64 operand pairs cycled through
+        // 29 MiB than with one pair in L2; asking ahead made the small preset's c_attn and c_fc
+        // gᵀ·x 7-9% faster on AVX-512 even in the benchmark, which repeats one pair).
         const GROUP: usize = 8;
         for g0 in (0..v.len.div_ceil(W)).step_by(GROUP) {
             let lines = (GROUP * W).min(v.len - g0 * W);
             for kk in 0..kb {
+                let ahead = v.at + g0 * W + (kk + 8) * v.k_stride;
+                let line = 64 / size_of::<T>();
+                (0..lines).step_by(line).for_each(|l| prefetch(x.as_ptr().wrapping_add(ahead + l).cast()));
                 let run = &x[v.at + g0 * W + kk * v.k_stride..][..lines];
                 let src = run.chunks_exact(W);
                 let edge = src.remainder();
