@@ -31,15 +31,15 @@
 //! *continues* it, the tile loading its accumulators from the output where
 //! the block before stored them (an f32 load and store are exact), so every
 //! element is still one chain over k in order, whatever the block sizes —
-//! which the cache sizes may therefore choose freely. The packing asks for
-//! the lines it will read next (`common::prefetch`), since the
-//! operands often come from L3, where the op before left them.
+//! which the cache sizes may therefore choose freely. Parts of the packing
+//! ask for the lines they will read next (`common::prefetch`), since an
+//! operand may come from L3 or memory, where an op before left it.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 use std::mem::MaybeUninit;
 
-use super::common::prefetch;
+use super::common::{LINE, prefetch};
 
 /// Rows of `a` per register tile.
 const MR: usize = 6;
@@ -646,12 +646,13 @@ fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut 
     let k8 = kb / 8 * 8;
     for (p, panel) in panels.chunks_exact_mut(W * kb).take(full).enumerate() {
         let base = v.at + p * W * v.stride;
-        // a's panels (x or g, which the op before left in L3 as often as not) ask for the next
-        // panel's lines while this one is packed (see `pack_each`); b's (wᵀ, a weight, warm) do
-        // not: asking cost the products whose operands sat in L2 up to 5%.
-        if W == MR {
+        // a's panels (x, g: an op wrote them a while ago) ask for the next panel's lines while
+        // this one is packed, when this call packs it too (rows first packs a pair at a time, and
+        // the next pair only after the tiles sweep b); b's along k (wᵀ) do not: in the benchmark,
+        // with the operands in L2, asking cost them up to 5%. See `pack_each`.
+        if W == MR && p + 1 < full {
             for w in 0..W {
-                (0..kb).step_by(16).for_each(|kk| prefetch(x.as_ptr().wrapping_add(base + (W + w) * v.stride + kk)));
+                (0..kb).step_by(LINE).for_each(|kk| prefetch(x.as_ptr().wrapping_add(base + (W + w) * v.stride + kk)));
             }
         }
         let lines: [&[f32]; W] = std::array::from_fn(|w| &x[base + w * v.stride..][..kb]);
@@ -727,18 +728,20 @@ fn pack_each<T: Copy, const W: usize>(
         // a 384-row gᵀ) thrashed those sets: the tiny gᵀ·x products ran at 0.6–0.76 of their rate on
         // AVX-512 (a Zen 5). Eight panels put four stores in a set, well within its 8–12 ways.
         //
-        // Each step also asks for the run eight steps on: packing reads `a` and `b` where the op
-        // before left them, often in L3, and there the loads waited (on an Intel Xeon, model 167,
-        // the tiny preset's products ran 16-21% slower with 64 operand pairs cycled through
-        // 29 MiB than with one pair in L2; asking ahead made the small preset's c_attn and c_fc
-        // gᵀ·x 7-9% faster on AVX-512 even in the benchmark, which repeats one pair).
+        // Each step also asks for the run AHEAD steps on (gᵀ as a; x or w as b): packing reads
+        // operands where an op before left them, often in L3 or memory, and there the loads
+        // waited (on an Intel Xeon, model 167, the tiny preset's products ran 16-21% slower with
+        // 64 operand pairs cycled through 29 MiB than with one pair; asking ahead made the small
+        // preset's c_attn and c_fc gᵀ·x 7-9% faster on AVX-512 even in the benchmark, which
+        // repeats one pair). A run's last, partial line is not asked for: it is soon read anyway.
         const GROUP: usize = 8;
+        const AHEAD: usize = 8;
+        let line = 64 / size_of::<T>(); // elements of T per cache line
         for g0 in (0..v.len.div_ceil(W)).step_by(GROUP) {
             let lines = (GROUP * W).min(v.len - g0 * W);
             for kk in 0..kb {
-                let ahead = v.at + g0 * W + (kk + 8) * v.k_stride;
-                let line = 64 / size_of::<T>();
-                (0..lines).step_by(line).for_each(|l| prefetch(x.as_ptr().wrapping_add(ahead + l).cast()));
+                let ahead = v.at + g0 * W + (kk + AHEAD) * v.k_stride;
+                (0..lines).step_by(line).for_each(|l| prefetch(x.as_ptr().wrapping_add(ahead + l)));
                 let run = &x[v.at + g0 * W + kk * v.k_stride..][..lines];
                 let src = run.chunks_exact(W);
                 let edge = src.remainder();
@@ -840,19 +843,7 @@ unsafe fn as_uninit(s: &mut [f32]) -> &mut [MaybeUninit<f32>] {
 /// to be brought into L1: a hint, no effect on any value.
 #[inline(always)]
 fn prefetch_rows(c: &[MaybeUninit<f32>], at: usize, ld: usize, rows: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for r in 0..rows {
-        if let Some(x) = c.get(at + r * ld) {
-            // SAFETY: a prefetch of an address inside `c`; it reads nothing.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    (x as *const MaybeUninit<f32>).cast(),
-                )
-            };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (c, at, ld, rows);
+    (0..rows).for_each(|r| prefetch(c.as_ptr().wrapping_add(at + r * ld)));
 }
 
 /// One tile: `k` steps of the chains of its MR × NR elements, whose
