@@ -646,9 +646,9 @@ fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut 
     let k8 = kb / 8 * 8;
     for (p, panel) in panels.chunks_exact_mut(W * kb).take(full).enumerate() {
         let base = v.at + p * W * v.stride;
-        // a's panels (x, g: an op wrote them a while ago) ask for the next panel's lines while
+        // a's panels (x, g, q, P: an op wrote them a while ago) ask for the next panel's lines while
         // this one is packed, when this call packs it too (rows first packs a pair at a time, and
-        // the next pair only after the tiles sweep b); b's along k (wᵀ) do not: in the benchmark,
+        // the next pair only after the tiles sweep b); b's along k (wᵀ, kᵀ) do not: in the benchmark,
         // with the operands in L2, asking cost them up to 5%. See `pack_each`.
         if W == MR && p + 1 < full {
             for w in 0..W {
@@ -728,7 +728,7 @@ fn pack_each<T: Copy, const W: usize>(
         // a 384-row gᵀ) thrashed those sets: the tiny gᵀ·x products ran at 0.6–0.76 of their rate on
         // AVX-512 (a Zen 5). Eight panels put four stores in a set, well within its 8–12 ways.
         //
-        // Each step also asks for the run AHEAD steps on (gᵀ as a; x or w as b): packing reads
+        // Each step also asks for the run AHEAD steps of k on (gᵀ as a; x, w or v as b): packing reads
         // operands where an op before left them, often in L3 or memory, and there the loads
         // waited (on an Intel Xeon, model 167, the tiny preset's products ran 16-21% slower with
         // 64 operand pairs cycled through 29 MiB than with one pair; asking ahead made the small
@@ -736,12 +736,12 @@ fn pack_each<T: Copy, const W: usize>(
         // repeats one pair). A run's last, partial line is not asked for: it is soon read anyway.
         const GROUP: usize = 8;
         const AHEAD: usize = 8;
-        let line = 64 / size_of::<T>(); // elements of T per cache line
+        let per_line = 64 / size_of::<T>(); // elements of T in a cache line
         for g0 in (0..v.len.div_ceil(W)).step_by(GROUP) {
             let lines = (GROUP * W).min(v.len - g0 * W);
             for kk in 0..kb {
                 let ahead = v.at + g0 * W + (kk + AHEAD) * v.k_stride;
-                (0..lines).step_by(line).for_each(|l| prefetch(x.as_ptr().wrapping_add(ahead + l)));
+                (0..lines).step_by(per_line).for_each(|l| prefetch(x.as_ptr().wrapping_add(ahead + l)));
                 let run = &x[v.at + g0 * W + kk * v.k_stride..][..lines];
                 let src = run.chunks_exact(W);
                 let edge = src.remainder();
@@ -839,8 +839,8 @@ unsafe fn as_uninit(s: &mut [f32]) -> &mut [MaybeUninit<f32>] {
     unsafe { &mut *(s as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 
-/// Asks for `rows` rows of 16 floats of `c` from `at` (row stride `ld`)
-/// to be brought into L1: a hint, no effect on any value.
+/// Asks for the line holding each of `rows` rows' element at `at + r·ld` of
+/// `c` to be brought into L1: a hint, no effect on any value.
 #[inline(always)]
 fn prefetch_rows(c: &[MaybeUninit<f32>], at: usize, ld: usize, rows: usize) {
     (0..rows).for_each(|r| prefetch(c.as_ptr().wrapping_add(at + r * ld)));
