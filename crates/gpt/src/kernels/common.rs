@@ -48,8 +48,10 @@ pub(super) fn lanes() -> usize {
     }
 }
 
-/// Floats in a 64-byte cache line.
-pub(super) const LINE: usize = 16;
+/// Elements of `T` in a 64-byte cache line: the step between prefetches.
+pub(super) const fn per_line<T>() -> usize {
+    64 / size_of::<T>()
+}
 
 /// Asks for the cache line holding `p` to be brought into L1: a hint, which
 /// changes no value and cannot fault, whatever the address (`p` may lie past
@@ -95,7 +97,7 @@ pub(super) fn zip_map_f32_in(lanes: usize, x: &[f32], y: &[f32], f: impl Fn(f32,
         for (i, (out, (xs, ys))) in chunks.enumerate() {
             let ahead = i * CHUNK + AHEAD;
             if ahead < n {
-                for line in (0..CHUNK).step_by(LINE) {
+                for line in (0..CHUNK).step_by(per_line::<f32>()) {
                     prefetch(x.as_ptr().wrapping_add(ahead + line));
                     if !same {
                         prefetch(y.as_ptr().wrapping_add(ahead + line));

@@ -39,7 +39,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 use std::mem::MaybeUninit;
 
-use super::common::{LINE, prefetch};
+use super::common::{per_line, prefetch};
 
 /// Rows of `a` per register tile.
 const MR: usize = 6;
@@ -506,15 +506,17 @@ impl Sweep {
         out: &mut [MaybeUninit<f32>],
         edge: &mut [f32; MR * 2 * NR],
     ) {
-        let Sweep { kb, load, prefetch, m, n, .. } = *self;
+        let Sweep { kb, load, prefetch: prefetching, m, n, .. } = *self;
         let (ps, qs) = (self.ps.clone(), self.qs.clone());
         let corner = |p: usize, q: usize| (p * MR) * n + q * NR;
         let rows = |p: usize| MR.min(m - p * MR);
-        // The chains so far of the tiles two row panels below `corner` (row panel p), 16 columns
-        // of 12 rows, on their way to L1 while the tile at `corner` computes.
+        // The chains so far of the tiles two row panels below `corner` (row panel p), the line
+        // holding each of their 12 rows' first element, on their way to L1 while the tile at
+        // `corner` computes (a hint: no value changes).
         let prefetch_next = |out: &[MaybeUninit<f32>], p: usize, q: usize| {
-            if load && prefetch {
-                prefetch_rows(out, corner(p + 2, q), n, (2 * MR).min(m.saturating_sub((p + 2) * MR)))
+            if load && prefetching {
+                let below = (2 * MR).min(m.saturating_sub((p + 2) * MR));
+                (0..below).for_each(|r| prefetch(out.as_ptr().wrapping_add(corner(p + 2, q) + r * n)));
             }
         };
         let mut q = qs.start;
@@ -652,7 +654,8 @@ fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut 
         // with the operands in L2, asking cost them up to 5%. See `pack_each`.
         if W == MR && p + 1 < full {
             for w in 0..W {
-                (0..kb).step_by(LINE).for_each(|kk| prefetch(x.as_ptr().wrapping_add(base + (W + w) * v.stride + kk)));
+                let next = x.as_ptr().wrapping_add(base + (W + w) * v.stride);
+                (0..kb).step_by(per_line::<f32>()).for_each(|kk| prefetch(next.wrapping_add(kk)));
             }
         }
         let lines: [&[f32]; W] = std::array::from_fn(|w| &x[base + w * v.stride..][..kb]);
@@ -736,12 +739,11 @@ fn pack_each<T: Copy, const W: usize>(
         // repeats one pair). A run's last, partial line is not asked for: it is soon read anyway.
         const GROUP: usize = 8;
         const AHEAD: usize = 8;
-        let per_line = 64 / size_of::<T>(); // elements of T in a cache line
         for g0 in (0..v.len.div_ceil(W)).step_by(GROUP) {
             let lines = (GROUP * W).min(v.len - g0 * W);
             for kk in 0..kb {
                 let ahead = v.at + g0 * W + (kk + AHEAD) * v.k_stride;
-                (0..lines).step_by(per_line).for_each(|l| prefetch(x.as_ptr().wrapping_add(ahead + l)));
+                (0..lines).step_by(per_line::<T>()).for_each(|l| prefetch(x.as_ptr().wrapping_add(ahead + l)));
                 let run = &x[v.at + g0 * W + kk * v.k_stride..][..lines];
                 let src = run.chunks_exact(W);
                 let edge = src.remainder();
@@ -837,13 +839,6 @@ unsafe fn assume_init(s: &[MaybeUninit<f32>]) -> &[f32] {
 unsafe fn as_uninit(s: &mut [f32]) -> &mut [MaybeUninit<f32>] {
     // SAFETY: same layout; the caller writes only f32 values.
     unsafe { &mut *(s as *mut [f32] as *mut [MaybeUninit<f32>]) }
-}
-
-/// Asks for the line holding each of `rows` rows' element at `at + r·ld` of
-/// `c` to be brought into L1: a hint, no effect on any value.
-#[inline(always)]
-fn prefetch_rows(c: &[MaybeUninit<f32>], at: usize, ld: usize, rows: usize) {
-    (0..rows).for_each(|r| prefetch(c.as_ptr().wrapping_add(at + r * ld)));
 }
 
 /// One tile: `k` steps of the chains of its MR × NR elements, whose
