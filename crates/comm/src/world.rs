@@ -223,7 +223,8 @@ impl World {
 
     /// **all-reduce on the stream** of `groups` sums packed in `buf` (one
     /// sum: the vector itself, N · `shard.len()` long): returns `buf`, whose
-    /// first N · `shard.len()` elements are then the sum over all ranks, and `shard`.
+    /// first N · `shard.len()` elements are then the sum over all ranks, and `shard`
+    /// (unwritten at one rank with one sum: `buf` already is the sum).
     pub fn all_reduce_async(&self, buf: Vec<f32>, groups: usize, shard: Vec<f32>) -> Pending<(Vec<f32>, Vec<f32>)> {
         self.started().all_reduce(&self.comm, buf, groups, shard)
     }

@@ -47,11 +47,17 @@ enum Op {
     LayerNorm(usize, usize, usize),
     /// [`crate::kernels::linear`]: `(x, w, b)`.
     Linear(usize, usize, usize),
-    /// [`crate::kernels::attention`]: `(qkv, P, nh)`, P the probabilities the
-    /// op keeps, none under [`Probs::Recompute`].
-    Attention(usize, Option<usize>, usize),
-    /// [`crate::kernels::gelu`].
-    Gelu(usize),
+    /// [`crate::kernels::linear_gelu`], [`crate::kernels::linear_attention`]:
+    /// `(x, w, b, h, then)`, `h` the layer's output, which the op keeps.
+    LinearThen(usize, usize, usize, usize, Then),
+}
+
+/// The op a [`Op::LinearThen`] runs on the layer's output.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Then {
+    Gelu,
+    /// `(P, nh)`: P the probabilities the attention keeps, none under [`Probs::Recompute`].
+    Attention(Option<usize>, usize),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -331,23 +337,30 @@ impl Graph {
     pub fn log(&mut self, a: T) -> T {
         self.unary(a, Un::Log)
     }
-    /// [`crate::kernels::gelu`].
-    pub fn gelu(&mut self, a: T) -> T {
-        self.alloc(self.n(a).shape.clone(), self.n(a).elem, Op::Gelu(a.0))
-    }
-    /// [`crate::kernels::attention`]: (B, T, 3C) → (B, T, C), keeping the
-    /// probabilities (B, nh, T, T) besides, or not (`policy`).
-    pub fn attention(&mut self, qkv: T, n_head: usize, policy: Probs) -> T {
-        let (b, t, c3) = dims3(self.shape(qkv));
-        let elem = self.n(qkv).elem;
-        let probs = (policy == Probs::Keep).then(|| self.constant(&[b, n_head, t, t], elem).0);
-        self.alloc(vec![b, t, c3 / 3], elem, Op::Attention(qkv.0, probs, n_head))
-    }
     /// [`crate::kernels::linear`]: (…, in) → (…, out).
     pub fn linear(&mut self, x: T, w: T, b: T) -> T {
+        self.alloc(self.linear_shape(x, w), self.n(x).elem, Op::Linear(x.0, w.0, b.0))
+    }
+    fn linear_shape(&self, x: T, w: T) -> Vec<usize> {
         let mut shape = self.n(x).shape.clone();
         *shape.last_mut().expect("x has a last dimension") = self.n(w).shape[0];
-        self.alloc(shape, self.n(x).elem, Op::Linear(x.0, w.0, b.0))
+        shape
+    }
+    /// [`crate::kernels::linear_gelu`]: (…, in) → (…, out), keeping the layer's output besides.
+    pub fn linear_gelu(&mut self, x: T, w: T, b: T) -> T {
+        let shape = self.linear_shape(x, w);
+        let h = self.constant(&shape, self.n(x).elem);
+        self.alloc(shape, self.n(x).elem, Op::LinearThen(x.0, w.0, b.0, h.0, Then::Gelu))
+    }
+    /// [`crate::kernels::linear_attention`]: (B, T, C) → (B, T, C), keeping
+    /// the layer's output qkv (B, T, 3C) and, by `policy`, the probabilities
+    /// (B, nh, T, T).
+    pub fn linear_attention(&mut self, x: T, w: T, bias: T, n_head: usize, policy: Probs) -> T {
+        let (shape, elem) = (self.linear_shape(x, w), self.n(x).elem);
+        let qkv = self.constant(&shape, elem);
+        let (b, t, c3) = dims3(&shape);
+        let probs = (policy == Probs::Keep).then(|| self.constant(&[b, n_head, t, t], elem).0);
+        self.alloc(vec![b, t, c3 / 3], elem, Op::LinearThen(x.0, w.0, bias.0, qkv.0, Then::Attention(probs, n_head)))
     }
     pub fn layer_norm(&mut self, x: T, w: T, b: T) -> T {
         self.alloc(self.n(x).shape.clone(), self.n(x).elem, Op::LayerNorm(x.0, w.0, b.0))
@@ -444,9 +457,10 @@ impl Op {
     fn inputs(self) -> Vec<usize> {
         match self {
             Op::Leaf => vec![],
-            Op::Binary(a, b, _) | Op::MatMul(a, b) | Op::Attention(a, Some(b), _) => vec![a, b],
-            Op::Attention(a, None, _) => vec![a],
+            Op::Binary(a, b, _) | Op::MatMul(a, b) => vec![a, b],
             Op::LayerNorm(x, w, b) | Op::Linear(x, w, b) => vec![x, w, b],
+            Op::LinearThen(x, w, b, h, Then::Gelu | Then::Attention(None, _)) => vec![x, w, b, h],
+            Op::LinearThen(x, w, b, h, Then::Attention(Some(p), _)) => vec![x, w, b, h, p],
             Op::Unary(a, _)
             | Op::Affine(a)
             | Op::Sum(a)
@@ -458,8 +472,7 @@ impl Op {
             | Op::Copy(a)
             | Op::IndexSelect(a)
             | Op::Gather(a)
-            | Op::ToDType(a)
-            | Op::Gelu(a) => vec![a],
+            | Op::ToDType(a) => vec![a],
         }
     }
 }
@@ -610,6 +623,91 @@ impl Backward<'_> {
         self.make(out * elem, inputs)
     }
 
+    /// [`crate::kernels::linear`]'s backward up to its gradients `[dx, dw, db]`, made (not yet
+    /// added). `dh`, a gradient the layer took ([`Op::LinearThen`]'s), goes as it goes there:
+    /// under bf16 once widened, else when the products are done.
+    fn linear_grads(&mut self, x: usize, w: usize, dh: Option<usize>) -> [usize; 3] {
+        // dx = g·w and dw = gᵀ·x as f32 products (bf16: from widened
+        // copies, then rounded into new tensors), db the rows' sum.
+        let (n_out, n_in) = (self.g.nodes[w].shape[0], self.g.nodes[w].shape[1]);
+        let (rows, elem) = (self.g.nodes[x].numel() / n_in, self.g.nodes[x].elem);
+        let f32s = [rows * n_in * 4, n_out * n_in * 4, n_out * 4]; // dx, dw, db in f32
+        let wide = if elem == 2 { 4 * (rows * n_in + n_out * n_in + rows * n_out) } else { 0 };
+        // each product allocates its result, then packs its panels
+        self.live += wide;
+        if elem == 2 {
+            dh.into_iter().for_each(|t| self.drop_(t));
+        }
+        let made = match elem {
+            4 => {
+                let dx = self.make(f32s[0], &[]);
+                self.transient(matmul_transient(rows, n_out, n_in, 0, 4));
+                let dw = self.make(f32s[1], &[]);
+                self.transient(matmul_transient(n_out, rows, n_in, 0, 4));
+                [dx, dw, self.make(f32s[2], &[])]
+            }
+            _ => {
+                self.live += f32s[0];
+                self.transient(matmul_transient(rows, n_out, n_in, 0, 4));
+                self.live += f32s[1];
+                self.transient(matmul_transient(n_out, rows, n_in, 0, 4));
+                self.live += f32s[2];
+                let mut made = [0; 3];
+                for (k, f) in f32s.into_iter().enumerate() {
+                    made[k] = self.make(f / 2, &[]); // rounded into bf16; its f32 goes
+                    self.live -= f;
+                }
+                made
+            }
+        };
+        self.live -= wide;
+        if elem != 2 {
+            dh.into_iter().for_each(|t| self.drop_(t));
+        }
+        made
+    }
+
+    /// [`crate::kernels::attention`]'s backward up to dqkv (P kept, or none:
+    /// recomputed), made (not yet added).
+    fn attention_grad(&mut self, qkv: usize, kept: Option<usize>, nh: usize) -> usize {
+        // dP (becoming dS), dq, dk, dv computed in f32 (bf16: the
+        // operands widened first), each product with its panels; then dqkv.
+        let (b, t, c3) = dims3(&self.g.nodes[qkv].shape);
+        let elem = self.g.nodes[qkv].elem;
+        let (c, hs) = (c3 / 3, c3 / 3 / nh);
+        let (np4, btc4) = (4 * b * nh * t * t, 4 * b * t * c);
+        // Not kept: P first, as the forward made it (bf16: from q and
+        // k widened, S and P in f32, P rounded into bf16), held to the end.
+        let recomputed = if kept.is_none() { np4 / 4 * elem } else { 0 };
+        if kept.is_none() {
+            let wide_qkv = if elem == 2 { 3 * btc4 } else { 0 };
+            let s_then_p = np4 + matmul_transient(t, hs, t, 0, 4).max(np4);
+            // q and k widened while S, then P, are made; then P rounded
+            // into its own buffer, the widened copy gone.
+            self.transient((wide_qkv + s_then_p).max(np4 + recomputed));
+            self.live += recomputed;
+        }
+        let wide = if elem == 2 { 3 * btc4 + np4 + btc4 } else { 0 };
+        let panels = |m: usize, k: usize, n: usize| matmul_transient(m, k, n, 0, 4);
+        let stages = [
+            np4 + panels(t, hs, t),            // dP = dy·vᵀ
+            np4 + btc4 + panels(t, t, hs),     // dq = dS·k
+            np4 + 2 * btc4 + panels(t, t, hs), // dk = dSᵀ·q
+            3 * btc4 + panels(t, t, hs),       // dv = Pᵀ·dy
+        ];
+        let filled = 4 * b * t * c3; // bf16: dqkv in f32, then rounded into the output
+        let (during, at_out) = match elem {
+            2 => (wide + 3 * btc4 + filled, wide + filled),
+            _ => (0, 3 * btc4), // f32: dq, dk, dv live while dqkv, the output, is filled
+        };
+        self.transient(wide + stages.into_iter().max().unwrap_or(0));
+        self.transient(during);
+        self.live += at_out;
+        let out = self.make(self.size(qkv), &[]);
+        self.live -= at_out + recomputed;
+        out
+    }
+
     /// The gradient rule of `op` at node `i` (candle 0.11's `backward`),
     /// with `g` the node's gradient (detached).
     fn rule(&mut self, i: usize, op: Op, g: usize) {
@@ -686,86 +784,25 @@ impl Backward<'_> {
                 self.add_into(a, Src::New(t));
                 self.drop_(t);
             }
-            Op::Gelu(a) => {
-                let t = self.make(s, &[]); // g · gelu'(x), one pass
-                self.acc(a, Src::New(t));
-                self.drop_(t);
-            }
             Op::Linear(x, w, bias) => {
-                // dx = g·w and dw = gᵀ·x as f32 products (bf16: from widened
-                // copies, then rounded into new tensors), db the rows' sum.
-                let (n_out, n_in) = (self.g.nodes[w].shape[0], self.g.nodes[w].shape[1]);
-                let (rows, elem) = (self.g.nodes[x].numel() / n_in, self.g.nodes[x].elem);
-                let f32s = [rows * n_in * 4, n_out * n_in * 4, n_out * 4]; // dx, dw, db in f32
-                let wide = if elem == 2 { 4 * (rows * n_in + n_out * n_in + rows * n_out) } else { 0 };
-                // each product allocates its result, then packs its panels
-                self.live += wide;
-                let made = match elem {
-                    4 => {
-                        let dx = self.make(f32s[0], &[]);
-                        self.transient(matmul_transient(rows, n_out, n_in, 0, 4));
-                        let dw = self.make(f32s[1], &[]);
-                        self.transient(matmul_transient(n_out, rows, n_in, 0, 4));
-                        [dx, dw, self.make(f32s[2], &[])]
-                    }
-                    _ => {
-                        self.live += f32s[0];
-                        self.transient(matmul_transient(rows, n_out, n_in, 0, 4));
-                        self.live += f32s[1];
-                        self.transient(matmul_transient(n_out, rows, n_in, 0, 4));
-                        self.live += f32s[2];
-                        let mut made = [0; 3];
-                        for (k, f) in f32s.into_iter().enumerate() {
-                            made[k] = self.make(f / 2, &[]); // rounded into bf16; its f32 goes
-                            self.live -= f;
-                        }
-                        made
-                    }
-                };
-                self.live -= wide;
+                let made = self.linear_grads(x, w, None);
                 for (arg, t) in [x, w, bias].into_iter().zip(made) {
                     self.acc(arg, Src::New(t));
                     self.drop_(t);
                 }
             }
-            Op::Attention(qkv, kept, nh) => {
-                // dP (becoming dS), dq, dk, dv computed in f32 (bf16: the
-                // operands widened first), each product with its panels; then dqkv.
-                let (b, t, c3) = dims3(&self.g.nodes[qkv].shape);
-                let elem = self.g.nodes[qkv].elem;
-                let (c, hs) = (c3 / 3, c3 / 3 / nh);
-                let (np4, btc4) = (4 * b * nh * t * t, 4 * b * t * c);
-                // Not kept: P first, as the forward made it (bf16: from q and
-                // k widened, S and P in f32, P rounded into bf16), held to the end.
-                let recomputed = if kept.is_none() { np4 / 4 * elem } else { 0 };
-                if kept.is_none() {
-                    let wide_qkv = if elem == 2 { 3 * btc4 } else { 0 };
-                    let s_then_p = np4 + matmul_transient(t, hs, t, 0, 4).max(np4);
-                    // q and k widened while S, then P, are made; then P rounded
-                    // into its own buffer, the widened copy gone.
-                    self.transient((wide_qkv + s_then_p).max(np4 + recomputed));
-                    self.live += recomputed;
-                }
-                let wide = if elem == 2 { 3 * btc4 + np4 + btc4 } else { 0 };
-                let panels = |m: usize, k: usize, n: usize| matmul_transient(m, k, n, 0, 4);
-                let stages = [
-                    np4 + panels(t, hs, t),            // dP = dy·vᵀ
-                    np4 + btc4 + panels(t, t, hs),     // dq = dS·k
-                    np4 + 2 * btc4 + panels(t, t, hs), // dk = dSᵀ·q
-                    3 * btc4 + panels(t, t, hs),       // dv = Pᵀ·dy
-                ];
-                let filled = 4 * b * t * c3; // bf16: dqkv in f32, then rounded into the output
-                let (during, at_out) = match elem {
-                    2 => (wide + 3 * btc4 + filled, wide + filled),
-                    _ => (0, 3 * btc4), // f32: dq, dk, dv live while dqkv, the output, is filled
+            Op::LinearThen(x, w, bias, h, then) => {
+                // dh from the op after the layer, handed to the layer's backward as it is (no sum),
+                // which frees it (see `linear_grads`) before candle adds dx, dw and db.
+                let dh = match then {
+                    Then::Gelu => self.make(self.size(h), &[]), // g · gelu'(h), one pass
+                    Then::Attention(kept, nh) => self.attention_grad(h, kept, nh),
                 };
-                self.transient(wide + stages.into_iter().max().unwrap_or(0));
-                self.transient(during);
-                self.live += at_out;
-                let out = self.make(self.size(qkv), &[]);
-                self.live -= at_out + recomputed;
-                self.acc(qkv, Src::New(out));
-                self.drop_(out);
+                let made = self.linear_grads(x, w, Some(dh));
+                for (arg, t) in [x, w, bias].into_iter().zip(made) {
+                    self.acc(arg, Src::New(t));
+                    self.drop_(t);
+                }
             }
             Op::LayerNorm(x, w, b) => {
                 // dx, dw, db made at once, then added in order. Besides: a row
@@ -786,7 +823,9 @@ impl Backward<'_> {
 // ANCHOR: block_activations
 /// What one block's graph keeps for its backward, in elements of the compute
 /// dtype, from its input (not counted: the block before made it) to its
-/// output: one (B, T, ·) buffer per op, and attention's probabilities.
+/// output: one (B, T, ·) buffer per step below — `c_attn` and `c_fc` are
+/// each fused with the op after it into one op, which keeps the layer's
+/// output — and attention's probabilities.
 ///
 /// ```text
 /// ln_1  c_attn  heads  c_proj  x + a  ln_2  c_fc  GELU  c_proj  x + m
@@ -842,15 +881,13 @@ impl ModelShapes {
         let a = self.attention(g, &p[2..6], h);
         let x = g.add(x, a);
         let h = self.layer_norm(g, x, p[6], p[7]);
-        let h = self.linear(g, h, p[8], p[9]);
-        let h = g.gelu(h);
+        let h = g.linear_gelu(h, p[8], p[9]);
         let h = self.linear(g, h, p[10], p[11]);
         g.add(x, h)
     }
 
     fn attention(&self, g: &mut Graph, p: &[T], x: T) -> T {
-        let qkv = self.linear(g, x, p[0], p[1]);
-        let y = g.attention(qkv, self.cfg.n_head, self.probs);
+        let y = g.linear_attention(x, p[0], p[1], self.cfg.n_head, self.probs);
         self.linear(g, y, p[2], p[3])
     }
 

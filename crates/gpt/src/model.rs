@@ -117,16 +117,16 @@ impl Gpt {
     pub fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         assert_eq!(p.len(), PARAMS_PER_BLOCK, "a block has {PARAMS_PER_BLOCK} parameter tensors");
         let x = (x + self.attention(&p[2..6], &layer_norm(x, &p[0], &p[1])?)?)?;
-        let h = kernels::gelu(&linear(&layer_norm(&x, &p[6], &p[7])?, &p[8], &p[9])?)?; // (B, T, 4C)
+        let h = kernels::linear_gelu(&layer_norm(&x, &p[6], &p[7])?, &p[8], &p[9])?; // (B, T, 4C): c_fc, GELU
         Ok((&x + linear(&h, &p[10], &p[11])?)?)
     }
 
     /// Causal self-attention. `p` = c_attn.{weight,bias}, c_proj.{weight,bias}.
     fn attention(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
-        let qkv = linear(x, &p[0], &p[1])?; // (B, T, 3C): q, k, v side by side, heads side by side in each
-        // Per head: y = softmax(q·kᵀ/√hs + causal mask)·v, the heads merged back into (B, T, C).
-        // One fused op (kernels::attention), bit for bit those ops composed.
-        let y = kernels::attention_with(&qkv, self.cfg.n_head, self.probs)?;
+        // c_attn: qkv (B, T, 3C), q, k, v side by side, heads side by side in each; then per head
+        // y = softmax(q·kᵀ/√hs + causal mask)·v, the heads merged back into (B, T, C). One fused op
+        // (kernels::linear_attention, which keeps qkv), bit for bit linear then kernels::attention_with.
+        let y = kernels::linear_attention(x, &p[0], &p[1], self.cfg.n_head, self.probs)?;
         linear(&y, &p[2], &p[3])
     }
 

@@ -43,7 +43,7 @@ pub fn attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
 
 /// [`attention`], keeping its probabilities for the backward or not.
 pub fn attention_with(qkv: &Tensor, n_head: usize, policy: Probs) -> Result<Tensor> {
-    qkv.apply_op1(Attention { n_head, policy, probs: Mutex::new(None) })
+    qkv.apply_op1(Attention::new(n_head, policy))
 }
 
 /// What the attention op keeps between its forward and its backward.
@@ -57,12 +57,18 @@ pub enum Probs {
     Recompute,
 }
 
-struct Attention {
+pub(super) struct Attention {
     n_head: usize,
     policy: Probs,
     /// The forward's probabilities (B, nh, T, T), kept for the backward
     /// under [`Probs::Keep`].
     probs: Mutex<Option<Tensor>>,
+}
+
+impl Attention {
+    pub(super) fn new(n_head: usize, policy: Probs) -> Self {
+        Self { n_head, policy, probs: Mutex::new(None) }
+    }
 }
 
 /// Shapes and the views the products read.

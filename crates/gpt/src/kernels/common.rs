@@ -1,6 +1,6 @@
 //! What the fused kernels share: a contiguous operand's values, bf16 widened
 //! to f32 and rounded back, and their arithmetic in one precision.
-use candle_core::{CpuStorage, Layout, Result, Storage, bail};
+use candle_core::{CpuStorage, Layout, Result, Shape, Storage, bail};
 use half::bf16;
 use std::mem::MaybeUninit;
 
@@ -150,6 +150,19 @@ pub(super) fn cpu<'a>(s: &'a Storage, op: &str) -> Result<&'a CpuStorage> {
         Storage::Cpu(s) => Ok(s),
         #[allow(unreachable_patterns)]
         _ => bail!("{op} runs on the CPU"),
+    }
+}
+
+/// An op's output storage (f32, bf16 or f64) as a tensor of `shape`, on the CPU, without copying.
+pub(super) fn tensor_from(s: CpuStorage, shape: Shape) -> Result<candle_core::Tensor> {
+    let dev = &candle_core::Device::Cpu;
+    match s {
+        CpuStorage::F32(v) => candle_core::Tensor::from_vec(v, shape, dev),
+        CpuStorage::BF16(v) => candle_core::Tensor::from_vec(v, shape, dev),
+        CpuStorage::F64(v) => candle_core::Tensor::from_vec(v, shape, dev),
+        s => {
+            bail!("an op's output of {:?}: f32, bf16 or f64 expected", candle_core::backend::BackendStorage::dtype(&s))
+        }
     }
 }
 

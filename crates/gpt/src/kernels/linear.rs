@@ -11,11 +11,29 @@
 //! forward   y = x·wᵀ + b
 //! backward  dx = g·w,   dw = gᵀ·x,   db = Σ_rows g
 //! ```
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
+//!
+//! [`linear_gelu`] and [`linear_attention`] are the layer and the op after
+//! it as one node: `c_fc` with its GELU, `c_attn` with the attention. The
+//! layer's output h — (B, T, 4C) and (B, T, 3C), among a block's widest
+//! activations — stays in memory as before, kept by the op rather than by
+//! the graph; what changes is its gradient. candle adds every gradient it
+//! passes on into a sum that starts as a fresh zeroed tensor (`zeros_like`,
+//! then `add`): for h, a memset and an add over 4C (3C) values per token,
+//! gone once dh goes from the GELU's (the attention's) backward straight
+//! to the layer's. The bits are the same: each part runs its own op's code,
+//! and `0 + dh` differs from `dh` only where dh is −0, which the layer's
+//! backward turns into +0 either way (its chains and `db`'s row sums start
+//! from +0).
+use std::sync::Mutex;
 
-use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, row_sum, values, widen};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
+
+use super::Probs;
+use super::attention::Attention;
+use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, row_sum, tensor_from, values, widen};
 use super::matmul::Operand;
+use super::pointwise::Gelu;
 
 /// `x · wᵀ + b` for `x` (…, in), `w` (out, in) (torch's layout), `b` (out).
 /// Differentiable in all three.
@@ -23,7 +41,62 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     x.apply_op3(w, b, Linear)
 }
 
+/// `gelu(x · wᵀ + b)`, the MLP's `c_fc` and its GELU, as one op. Differentiable in all three.
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    x.apply_op3(w, b, LinearThen { then: Gelu, h: Mutex::new(None) })
+}
+
+/// [`super::attention_with`] of `x · wᵀ + b`, `c_attn` and the attention
+/// after it, as one op: (B, T, C) → (B, T, C). Differentiable in all three.
+pub fn linear_attention(x: &Tensor, w: &Tensor, b: &Tensor, n_head: usize, policy: Probs) -> Result<Tensor> {
+    x.apply_op3(w, b, LinearThen { then: Attention::new(n_head, policy), h: Mutex::new(None) })
+}
+
 struct Linear;
+
+/// [`Linear`], then `then` on its output, which the op keeps for the backward.
+struct LinearThen<F> {
+    then: F,
+    h: Mutex<Option<Tensor>>,
+}
+
+impl<F: CustomOp1> CustomOp3 for LinearThen<F> {
+    fn name(&self) -> &'static str {
+        "linear-then"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (h, shape) = Linear.cpu_fwd(s1, l1, s2, l2, s3, l3)?;
+        let out = self.then.cpu_fwd(&h, &Layout::contiguous(shape.clone()))?;
+        *self.h.lock().expect("not poisoned") = Some(tensor_from(h, shape)?);
+        Ok(out)
+    }
+
+    /// `then`'s backward gives dh, which goes to the layer's backward as it is.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Some(h) = self.h.lock().expect("not poisoned").clone() else {
+            bail!("linear then {}: backward before its forward", self.then.name())
+        };
+        let Some(dh) = self.then.bwd(&h, res, grad)? else { bail!("{}: no gradient for its input", self.then.name()) };
+        let (dx, dw, db) = grads(x, w, b, dh)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
 
 /// A row-major (rows, cols) matrix at `offset`, or its transpose.
 fn matrix(offset: usize, rows: usize, cols: usize, transposed: bool) -> Operand {
@@ -150,48 +223,50 @@ impl CustomOp3 for Linear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = dims(x.dims(), w.dims(), b.dims())?;
-        let (x, w, grad) = (x.contiguous()?, w.contiguous()?, grad.contiguous()?);
-        let (sx, lx) = x.storage_and_layout();
-        let (sw, lw) = w.storage_and_layout();
-        let (sg, lg) = grad.storage_and_layout();
-        let (sx, sw, sg) = (cpu(&sx, "linear")?, cpu(&sw, "linear")?, cpu(&sg, "linear")?);
-        let shape = lx.shape().clone();
-        let (dx, dw, db) = match x.dtype() {
-            DType::F32 => tensors(
-                backward::<f32>(
-                    values(sx, lx, "linear")?,
-                    values(sw, lw, "linear")?,
-                    values(sg, lg, "linear")?,
-                    d,
-                    |_| {},
-                ),
-                shape,
-                d,
-            )?,
-            DType::F64 => tensors(
-                backward::<f64>(
-                    values(sx, lx, "linear")?,
-                    values(sw, lw, "linear")?,
-                    values(sg, lg, "linear")?,
-                    d,
-                    |_| {},
-                ),
-                shape,
-                d,
-            )?,
-            DType::BF16 => {
-                let (x, w, g) = (
-                    widen(values(sx, lx, "linear")?),
-                    widen(values(sw, lw, "linear")?),
-                    widen(values(sg, lg, "linear")?),
-                );
-                let (dx, dw, db) = backward(&x, &w, &g, d, round_to_bf16);
-                tensors((narrow(dx), narrow(dw), narrow(db)), shape, d)?
-            }
-            dt => bail!("linear supports f32, bf16 and f64, got {dt:?}"),
-        };
+        let (dx, dw, db) = grads(x, w, b, grad.clone())?;
         Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// The layer's (dx, dw, db) for `grad`, which it takes: a gradient nothing
+/// else holds (a [`LinearThen`]'s dh) is freed once read — under bf16 as
+/// soon as it is widened, so that the layer's backward holds no more than
+/// when candle hands it the sum (candle still holds the gradient of the op
+/// after the layer then).
+fn grads(x: &Tensor, w: &Tensor, b: &Tensor, grad: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let d = dims(x.dims(), w.dims(), b.dims())?;
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    // Moved, not shadowed (which would keep the argument alive to the end): for a LinearThen's dh
+    // this is then the only handle, and dropping it frees the buffer.
+    let grad = if grad.is_contiguous() { grad } else { grad.contiguous()? };
+    let (sx, lx) = x.storage_and_layout();
+    let (sw, lw) = w.storage_and_layout();
+    let (sx, sw) = (cpu(&sx, "linear")?, cpu(&sw, "linear")?);
+    let shape = lx.shape().clone();
+    if x.dtype() == DType::BF16 {
+        let g = {
+            let (sg, lg) = grad.storage_and_layout();
+            widen(values(cpu(&sg, "linear")?, lg, "linear")?)
+        };
+        drop(grad);
+        let (x, w) = (widen(values(sx, lx, "linear")?), widen(values(sw, lw, "linear")?));
+        let (dx, dw, db) = backward(&x, &w, &g, d, round_to_bf16);
+        return tensors((narrow(dx), narrow(dw), narrow(db)), shape, d);
+    }
+    let (sg, lg) = grad.storage_and_layout();
+    let sg = cpu(&sg, "linear")?;
+    match x.dtype() {
+        DType::F32 => tensors(
+            backward::<f32>(values(sx, lx, "linear")?, values(sw, lw, "linear")?, values(sg, lg, "linear")?, d, |_| {}),
+            shape,
+            d,
+        ),
+        DType::F64 => tensors(
+            backward::<f64>(values(sx, lx, "linear")?, values(sw, lw, "linear")?, values(sg, lg, "linear")?, d, |_| {}),
+            shape,
+            d,
+        ),
+        dt => bail!("linear supports f32, bf16 and f64, got {dt:?}"),
     }
 }
 
@@ -228,6 +303,57 @@ mod tests {
             for (k, name) in ["x", "w", "b"].iter().enumerate() {
                 let (a, e) = (gf.get(f[k].as_tensor()).unwrap(), gc.get(c[k].as_tensor()).unwrap());
                 assert_eq!(bits(a), bits(e), "{dtype:?} d{name}");
+            }
+        }
+    }
+
+    /// `linear_gelu` and `linear_attention` (both policies) give the bits of
+    /// the layer and the op after it as two nodes, forward and backward (x,
+    /// w, b), in f32, bf16 and f64 — including where dh is −0, which
+    /// candle's sum makes +0: a third of g is 0, and +0 · gelu′(h) is −0
+    /// wherever gelu′ is negative (h below about −0.75).
+    #[test]
+    fn a_layer_and_the_op_after_it_equal_the_two_ops_bit_for_bit() {
+        use crate::kernels::{attention_with, gelu};
+        type Op = fn(&Tensor, &Tensor, &Tensor) -> Tensor;
+        let fused_gelu: Op = |x, w, b| linear_gelu(x, w, b).unwrap();
+        let gelu_after: Op = |x, w, b| gelu(&linear(x, w, b).unwrap()).unwrap();
+        let fused_keep: Op = |x, w, b| linear_attention(x, w, b, 3, Probs::Keep).unwrap();
+        let keep_after: Op = |x, w, b| attention_with(&linear(x, w, b).unwrap(), 3, Probs::Keep).unwrap();
+        let fused_again: Op = |x, w, b| linear_attention(x, w, b, 3, Probs::Recompute).unwrap();
+        let again_after: Op = |x, w, b| attention_with(&linear(x, w, b).unwrap(), 3, Probs::Recompute).unwrap();
+        // (name, width in, width out, the fused op, the two ops)
+        let cases = [
+            ("gelu", 24, 36, fused_gelu, gelu_after),
+            ("attention, P kept", 12, 36, fused_keep, keep_after),
+            ("attention, P recomputed", 12, 36, fused_again, again_after),
+        ];
+        for (name, n_in, n_out, fused, composed) in cases {
+            let (x, w, b) = (random(&[2, 9, n_in], 11), random(&[n_out, n_in], 12), random(&[n_out], 13));
+            for dtype in [DType::F32, DType::BF16, DType::F64] {
+                let vars = || -> Vec<Var> {
+                    [&x, &w, &b].iter().map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()).collect()
+                };
+                let (f, c) = (vars(), vars());
+                let yf = fused(f[0].as_tensor(), f[1].as_tensor(), f[2].as_tensor());
+                let yc = composed(c[0].as_tensor(), c[1].as_tensor(), c[2].as_tensor());
+                assert_eq!(bits(&yf), bits(&yc), "{name}, {dtype:?}: forward");
+                let g = random(yf.dims(), 14).flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                let g: Vec<f64> = g.iter().enumerate().map(|(i, &v)| if i % 3 == 0 { 0.0 } else { v }).collect();
+                let g = Tensor::from_vec(g, yf.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+                let gf = (&yf * &g).unwrap().sum_all().unwrap().backward().unwrap();
+                let gc = (&yc * &g).unwrap().sum_all().unwrap().backward().unwrap();
+                for (k, arg) in ["x", "w", "b"].iter().enumerate() {
+                    let (a, e) = (gf.get(f[k].as_tensor()).unwrap(), gc.get(c[k].as_tensor()).unwrap());
+                    assert_eq!(bits(a), bits(e), "{name}, {dtype:?}: d{arg}");
+                }
+                if name == "gelu" && dtype == DType::F32 {
+                    // the case is there: dh = g · gelu′(h) has −0s, which candle's sum turns into +0
+                    let h = linear(f[0].as_tensor(), f[1].as_tensor(), f[2].as_tensor()).unwrap();
+                    let dh = h.apply_op2_no_bwd(&g, &super::super::pointwise::GeluBackward).unwrap();
+                    let dh: Vec<f32> = dh.flatten_all().unwrap().to_vec1().unwrap();
+                    assert!(dh.iter().any(|v| v.to_bits() == 0x8000_0000), "no −0 in dh: the test misses its case");
+                }
             }
         }
     }

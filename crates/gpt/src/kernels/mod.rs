@@ -13,6 +13,7 @@
 //! | [`matmul`] | `a @ b`, batched, any strides; f32, bf16 (widened), f64; blocked by the cache sizes ([`Blocks`]), tiled per instruction set ([`Isa`]) | each output element is one chain of fused multiply-adds over `k = 0, 1, …, K−1`, starting from 0, each k-block continuing it |
 //! | [`layer_norm`] | LayerNorm over the last dimension, forward and backward one pass each | each row's sums over `c = 0, 1, …, C−1`; `dw`, `db` over the rows in order |
 //! | [`linear`] | `x · wᵀ + b`, one op | [`matmul`]'s chains, [`bias_add`]'s row sums: their bits |
+//! | [`linear_gelu`], [`linear_attention`] | a linear layer and the GELU or the attention after it, one op (the model's `c_fc` and `c_attn`): the layer's output gradient (dh) goes straight to the layer's backward, not through candle's zeroed sum | the two ops': their bits |
 //! | [`bias_add`] | a linear layer's `x + b`; its backward sums the gradient over the rows | `db` over the rows in order |
 //! | [`gelu`] | erf GELU, its backward in one pass | element-wise; its own `erf` and `exp` in plain f32 operations |
 //! | [`attention`] | causal self-attention from `c_attn`'s output to the merged heads, one op; its probabilities kept for the backward or recomputed there ([`attention_with`], [`Probs`]) | [`matmul`]'s chains and [`causal_softmax`]'s rows, rounded where they round: their bits |
@@ -28,7 +29,7 @@ mod softmax;
 
 pub use attention::{Probs, attention, attention_with};
 pub use layer_norm::layer_norm;
-pub use linear::linear;
+pub use linear::{linear, linear_attention, linear_gelu};
 pub use matmul::{Blocks, Isa, check_env as check_matmul_env, matmul, matmul_on};
 pub use pointwise::{bias_add, gelu};
 pub use softmax::causal_softmax;

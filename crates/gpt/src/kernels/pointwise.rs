@@ -35,9 +35,9 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 }
 
 struct BiasAdd;
-struct Gelu;
+pub(super) struct Gelu;
 /// GELU's backward as an op: (x, g) → dx.
-struct GeluBackward;
+pub(super) struct GeluBackward;
 
 /// `f` on every element of `x` (and `y`), in the dtype's precision; bf16 widened to f32.
 macro_rules! map {
