@@ -357,7 +357,7 @@ impl Comm {
             // One rank, one sum: `buf` already is the sum over ranks. The round trip through
             // `shard` (a copy there and back) would leave every bit as it is; at the tiny preset
             // it was 1.6% of lesson 01's step at one rank (perf, an Intel Xeon's AVX2 path).
-            assert_eq!(buf.len(), shard.len(), "all_reduce: at one rank the shard is the whole buffer");
+            assert_eq!(buf.len(), shard.len(), "all_reduce: input must hold N shards per group");
             return;
         }
         let len = shard.len() * self.size;

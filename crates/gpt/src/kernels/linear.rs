@@ -236,9 +236,13 @@ impl CustomOp3 for Linear {
 fn grads(x: &Tensor, w: &Tensor, b: &Tensor, grad: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let d = dims(x.dims(), w.dims(), b.dims())?;
     let (x, w) = (x.contiguous()?, w.contiguous()?);
-    // Moved, not shadowed (which would keep the argument alive to the end): for a LinearThen's dh
-    // this is then the only handle, and dropping it frees the buffer.
-    let grad = if grad.is_contiguous() { grad } else { grad.contiguous()? };
+    // The argument moved into the block and gone at its end (`let grad = grad.contiguous()?` would
+    // keep a second handle to the end of the function): for a LinearThen's dh this is then the
+    // only one, and dropping it frees the buffer.
+    let grad = {
+        let g = grad;
+        if g.is_contiguous() { g } else { g.contiguous()? }
+    };
     let (sx, lx) = x.storage_and_layout();
     let (sw, lw) = w.storage_and_layout();
     let (sx, sw) = (cpu(&sx, "linear")?, cpu(&sw, "linear")?);
@@ -310,8 +314,10 @@ mod tests {
     /// `linear_gelu` and `linear_attention` (both policies) give the bits of
     /// the layer and the op after it as two nodes, forward and backward (x,
     /// w, b), in f32, bf16 and f64 — including where dh is −0, which
-    /// candle's sum makes +0: a third of g is 0, and +0 · gelu′(h) is −0
-    /// wherever gelu′ is negative (h below about −0.75).
+    /// candle's sum makes +0: every third column of g is 0, and +0 · gelu′(h)
+    /// is −0 wherever gelu′ is negative (h below about −0.75); a bias of −20
+    /// puts all of those columns' h there, so their db is a sum of −0s alone,
+    /// +0 only because the row sums start from +0.
     #[test]
     fn a_layer_and_the_op_after_it_equal_the_two_ops_bit_for_bit() {
         use crate::kernels::{attention_with, gelu};
@@ -329,7 +335,9 @@ mod tests {
             ("attention, P recomputed", 12, 36, fused_again, again_after),
         ];
         for (name, n_in, n_out, fused, composed) in cases {
-            let (x, w, b) = (random(&[2, 9, n_in], 11), random(&[n_out, n_in], 12), random(&[n_out], 13));
+            let (x, w) = (random(&[2, 9, n_in], 11), random(&[n_out, n_in], 12));
+            let low: Vec<f64> = (0..n_out).map(|o| if o % 3 == 0 { -20.0 } else { 0.0 }).collect();
+            let b = (random(&[n_out], 13) + Tensor::from_vec(low, n_out, &Device::Cpu).unwrap()).unwrap();
             for dtype in [DType::F32, DType::BF16, DType::F64] {
                 let vars = || -> Vec<Var> {
                     [&x, &w, &b].iter().map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()).collect()
