@@ -616,6 +616,15 @@ impl Backward<'_> {
         self.add_into(i, t);
     }
 
+    /// Each of an op's gradients `made` added onto its argument's sum, in
+    /// order, then dropped (the sum keeps what it needs).
+    fn acc_each(&mut self, args: [usize; 3], made: [usize; 3]) {
+        for (arg, t) in args.into_iter().zip(made) {
+            self.acc(arg, Src::New(t));
+            self.drop_(t);
+        }
+    }
+
     /// A matmul run in the backward: its transient, then its output.
     fn matmul(&mut self, (m, k, n): (usize, usize, usize), batch: usize, elem: usize, inputs: &[Src]) -> usize {
         let out = batch * m * n;
@@ -786,10 +795,7 @@ impl Backward<'_> {
             }
             Op::Linear(x, w, bias) => {
                 let made = self.linear_grads(x, w, None);
-                for (arg, t) in [x, w, bias].into_iter().zip(made) {
-                    self.acc(arg, Src::New(t));
-                    self.drop_(t);
-                }
+                self.acc_each([x, w, bias], made);
             }
             Op::LinearThen(x, w, bias, h, then) => {
                 // dh from the op after the layer, handed to the layer's backward as it is (no sum),
@@ -799,10 +805,7 @@ impl Backward<'_> {
                     Then::Attention(kept, nh) => self.attention_grad(h, kept, nh),
                 };
                 let made = self.linear_grads(x, w, Some(dh));
-                for (arg, t) in [x, w, bias].into_iter().zip(made) {
-                    self.acc(arg, Src::New(t));
-                    self.drop_(t);
-                }
+                self.acc_each([x, w, bias], made);
             }
             Op::LayerNorm(x, w, b) => {
                 // dx, dw, db made at once, then added in order. Besides: a row
@@ -811,10 +814,7 @@ impl Backward<'_> {
                 let made = [self.make(s, &[]), self.make(self.size(w), &[]), self.make(self.size(b), &[])];
                 let row = 4 * self.g.nodes[w].numel();
                 self.transient(if self.g.nodes[x].elem == 2 { 7 * row + 2 * self.size(w) } else { row });
-                for (arg, t) in [x, w, b].into_iter().zip(made) {
-                    self.acc(arg, Src::New(t));
-                    self.drop_(t);
-                }
+                self.acc_each([x, w, b], made);
             }
         }
     }

@@ -259,17 +259,25 @@ fn grads(x: &Tensor, w: &Tensor, b: &Tensor, grad: Tensor) -> Result<(Tensor, Te
     }
     let (sg, lg) = grad.storage_and_layout();
     let sg = cpu(&sg, "linear")?;
+    // f32 and f64: in their own precision, nothing rounded
+    macro_rules! in_own {
+        ($t:ty) => {
+            tensors(
+                backward::<$t>(
+                    values(sx, lx, "linear")?,
+                    values(sw, lw, "linear")?,
+                    values(sg, lg, "linear")?,
+                    d,
+                    |_| {},
+                ),
+                shape,
+                d,
+            )
+        };
+    }
     match x.dtype() {
-        DType::F32 => tensors(
-            backward::<f32>(values(sx, lx, "linear")?, values(sw, lw, "linear")?, values(sg, lg, "linear")?, d, |_| {}),
-            shape,
-            d,
-        ),
-        DType::F64 => tensors(
-            backward::<f64>(values(sx, lx, "linear")?, values(sw, lw, "linear")?, values(sg, lg, "linear")?, d, |_| {}),
-            shape,
-            d,
-        ),
+        DType::F32 => in_own!(f32),
+        DType::F64 => in_own!(f64),
         dt => bail!("linear supports f32, bf16 and f64, got {dt:?}"),
     }
 }
