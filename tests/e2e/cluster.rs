@@ -105,6 +105,29 @@ fn resumes_exactly(ck: &Path, name: &str) {
     assert_eq!(digest(&resumed), digest(&full), "resumed from step {step}");
 }
 
+/// mpirun's rsh launcher forks, and parent and child both put the child in
+/// its own process group; when the child has already exec'd the agent
+/// (scripts/cluster-rsh.sh) the parent's `setpgid` fails with EACCES and
+/// Open MPI prints a warning it then ignores ("the child is off and running",
+/// plm_rsh_module.c). It says nothing about the job, and comes or not with
+/// the scheduler.
+fn launcher_race(line: &str) -> bool {
+    line.contains("plm:rsh: Warning: setpgid(") && line.contains("Permission denied(13)")
+}
+
+/// Only that warning passes: the line a CI run printed, not a transport error.
+#[test]
+fn only_the_launchers_setpgid_race_is_let_through() {
+    let race = "[node1:30860] plm:rsh: Warning: setpgid(30865,30865) failed in parent with errno=Permission denied(13)";
+    assert!(launcher_race(race));
+    assert!(!launcher_race(
+        "[node1][[5201,1],0][btl_tcp_frag.c:130:mca_btl_tcp_frag_send] mca_btl_tcp_frag_send: writev failed: Broken pipe (32)"
+    ));
+    assert!(!launcher_race(
+        "[node1:30860] plm:rsh: Error: setpgid(0,0) failed in child with errno=Permission denied(13)"
+    ));
+}
+
 fn fresh(name: &str) -> (PathBuf, PathBuf) {
     let ck = out_dir(&format!("{name}-ckpt"));
     std::fs::remove_dir_all(&ck).unwrap();
@@ -134,9 +157,13 @@ fn hsdp_across_two_nodes_equals_lesson_01_and_keeps_the_gathers_inside_a_node() 
             );
             let o = on_cluster(&format!("h{n}{s}{}", extra.len()), slots, &script, &out, &out);
             ok_stdout(&o);
-            // A normal end across machines is no loss: nothing on stderr but the step lines.
+            // A normal end across machines is no loss: nothing on stderr but the step lines
+            // (and the launcher's harmless race, see `launcher_race`).
             let stderr = String::from_utf8_lossy(&o.stderr);
-            let other: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty() && !l.starts_with("step ")).collect();
+            let other: Vec<&str> = stderr
+                .lines()
+                .filter(|l| !l.trim().is_empty() && !l.starts_with("step ") && !launcher_race(l))
+                .collect();
             assert!(other.is_empty(), "{n} ranks, S = {s} {extra}: {other:?}");
             assert_eq!(digest(&out), digest(&local), "{n} ranks on 2 nodes, S = {s} {extra}");
             let r = report(&out);
