@@ -67,6 +67,19 @@ pub(super) fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// [`prefetch`] into L2 only (T1), for lines wanted later than the next
+/// microseconds: they do not push out what L1 holds for the work at hand.
+#[inline(always)]
+pub(super) fn prefetch_l2<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing into the program and never faults.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// `f` on every element of `x`: SIMD-wide ([`lanes`]).
 #[inline(always)]
 pub(super) fn map_f32(x: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {

@@ -33,13 +33,16 @@
 //! element is still one chain over k in order, whatever the block sizes —
 //! which the cache sizes may therefore choose freely. Parts of the packing
 //! ask for the lines they will read next (`common::prefetch`), since an
-//! operand may come from L3 or memory, where an op before left it.
+//! operand may come from L3 or memory, where an op before left it, and each
+//! column's sweep asks for the next column panel of `b`, into L2. On the
+//! AVX2 path a large output's column panels follow its 64-byte lines
+//! (`column_shift`), so that no row of a tile straddles two of them.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 use std::mem::MaybeUninit;
 
-use super::common::{per_line, prefetch};
+use super::common::{per_line, prefetch, prefetch_l2};
 
 /// Rows of `a` per register tile.
 const MR: usize = 6;
@@ -170,6 +173,9 @@ pub struct Blocks {
     pub kc_small: usize,
     pub small_out: usize,
     pub rows_first_b: usize,
+    /// Outputs of more bytes than this have the AVX2 tiles' column panels
+    /// follow their 64-byte lines (see `column_shift`).
+    pub shift_out: usize,
 }
 
 impl Blocks {
@@ -191,14 +197,14 @@ impl Blocks {
         let kc_small = (l1 / 2 / (4 * NR)).clamp(64, kc);
         // Rows first where one packed k-block of all of b fits in half of L2 (measured on an
         // Intel Xeon; see `products`).
-        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2 }
+        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2, shift_out: l2 / 2 }
     }
     // ANCHOR_END: blocks
 
     /// Blocks of the given sizes, whatever the output's size, in the
     /// columns-first order.
     pub fn fixed(kc: usize, mc: usize, nc: usize) -> Blocks {
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0 }
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, shift_out: 0 }
     }
 
     /// The k-block for a contraction of `k` into an `m` × `n` output: the
@@ -240,7 +246,7 @@ impl Blocks {
         let kc = (l1 / 2 / (4 * NR)).clamp(64, 1 << 14);
         let mc = ((l2 / 4 / (4 * kc)) / MR * MR).max(MR);
         let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0 }
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, shift_out: l2 / 2 }
     }
 
     /// The blocks of the path in use on this CPU ([`Blocks::for_path`]).
@@ -289,8 +295,8 @@ impl Blocks {
         });
         let rule =
             if isa == Isa::Avx2 && intel { Blocks::l1_resident(l1, l2, l3) } else { Blocks::from_caches(l1, l2, l3) };
-        // The knob sets the sizes; the loops' order stays the rule's.
-        asked.map_or(rule, |asked| Blocks { rows_first_b: rule.rows_first_b, ..asked })
+        // The knob sets the sizes; the loops' order and the output's column layout stay the rule's.
+        asked.map_or(rule, |asked| Blocks { rows_first_b: rule.rows_first_b, shift_out: rule.shift_out, ..asked })
     }
 }
 
@@ -417,6 +423,8 @@ fn products<T: Copy + 'static>(
     // of its panels (the rows and columns past an edge as 0). At the lessons'
     // shapes zeroing the three buffers cost more than packing them.
     let mut out: Vec<f32> = Vec::with_capacity(len);
+    // The AVX2 tiles' column panels follow a large output's lines.
+    let shift = column_shift(out.as_ptr(), n, tiles.avx512.is_none() && 4 * m * n > blocks.shift_out);
     // Both operands packed whole (rows first: b whole, a two row panels at a time), as
     // [k-block][panel][k][row or column]: the panel of k-block k0 that the tile reads is
     // contiguous, kb × MR or kb × NR. Each starts on a 64-byte line (malloc gives 16): a panel
@@ -441,8 +449,28 @@ fn products<T: Copy + 'static>(
             if !rows_first {
                 pack::<_, MR>(isa, &a_view(k0, 0, m), x, kb, widen, &mut ap[at_a(k0, kb, 0)..][..mp * MR * kb]);
             }
-            let b_view = View { at: bo + k0 * b.row_stride, len: n, stride: b.col_stride, k_stride: b.row_stride };
-            pack::<_, NR>(isa, &b_view, y, kb, widen, &mut bp[at_b(k0, kb, 0)..][..np * NR * kb]);
+            let b_view = |c0: usize, len: usize| View {
+                at: bo + k0 * b.row_stride + c0 * b.col_stride,
+                len,
+                stride: b.col_stride,
+                k_stride: b.row_stride,
+            };
+            let panels = &mut bp[at_b(k0, kb, 0)..][..np * NR * kb];
+            if shift == 0 {
+                pack::<_, NR>(isa, &b_view(0, n), y, kb, widen, panels);
+            } else {
+                // Panel 0: the NR - shift columns before the output's first line boundary, then the
+                // last `shift` columns; panels 1.. the columns between, NR at a time (`column_shift`).
+                let (head, rest) = panels.split_at_mut(NR * kb);
+                pack::<_, NR>(isa, &b_view(0, NR - shift), y, kb, widen, head);
+                let tail = b_view(n - shift, shift);
+                for (kk, lanes) in head.chunks_exact_mut(NR).enumerate() {
+                    for (l, lane) in lanes[NR - shift..].iter_mut().enumerate() {
+                        lane.write(widen(y[tail.at + l * tail.stride + kk * tail.k_stride]));
+                    }
+                }
+                pack::<_, NR>(isa, &b_view(NR - shift, n - NR), y, kb, widen, rest);
+            }
         }
         // SAFETY: `pack` wrote every element of b (all k-blocks, every panel).
         let bp = unsafe { assume_init(bp) };
@@ -457,7 +485,7 @@ fn products<T: Copy + 'static>(
                     // SAFETY: `pack` wrote every element of this pair's (or one's) panels.
                     let ap = unsafe { assume_init(&ap[..panels * MR * kb]) };
                     let apanel = |pp: usize| &ap[(pp - p) * MR * kb..][..MR * kb];
-                    let sweep = Sweep { kb, load, prefetch: false, m, n, ps: p..p + panels, qs: 0..np };
+                    let sweep = Sweep { kb, load, prefetch: false, m, n, shift, ps: p..p + panels, qs: 0..np };
                     sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge);
                 }
                 continue;
@@ -467,8 +495,8 @@ fn products<T: Copy + 'static>(
             for q0 in (0..np).step_by(ncp) {
                 for p0 in (0..mp).step_by(mcp) {
                     let apanel = |p: usize| &ap[at_a(k0, kb, p)..][..MR * kb];
-                    let sweep =
-                        Sweep { kb, load, prefetch: true, m, n, ps: p0..mp.min(p0 + mcp), qs: q0..np.min(q0 + ncp) };
+                    let (ps, qs) = (p0..mp.min(p0 + mcp), q0..np.min(q0 + ncp));
+                    let sweep = Sweep { kb, load, prefetch: true, m, n, shift, ps, qs };
                     sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge);
                 }
             }
@@ -490,6 +518,9 @@ struct Sweep {
     prefetch: bool,
     m: usize,
     n: usize,
+    /// The column layout ([`column_shift`]): 0, or panel 0 split between the output's first
+    /// NR - shift columns and its last `shift`, panel q > 0 from column q·NR - shift.
+    shift: usize,
     ps: std::ops::Range<usize>,
     qs: std::ops::Range<usize>,
 }
@@ -506,9 +537,16 @@ impl Sweep {
         out: &mut [MaybeUninit<f32>],
         edge: &mut [f32; MR * 2 * NR],
     ) {
-        let Sweep { kb, load, prefetch: prefetching, m, n, .. } = *self;
+        let Sweep { kb, load, prefetch: prefetching, m, n, shift, .. } = *self;
         let (ps, qs) = (self.ps.clone(), self.qs.clone());
-        let corner = |p: usize, q: usize| (p * MR) * n + q * NR;
+        let col0 = |q: usize| (q * NR).saturating_sub(shift);
+        let corner = |p: usize, q: usize| (p * MR) * n + col0(q);
+        // Panel q's columns, as (lane, column from its corner, count): two pieces for a split panel 0.
+        let pieces = |q: usize| match (shift, q) {
+            (0, _) | (_, 1..) => [(0, 0, NR.min(n - col0(q))), (0, 0, 0)],
+            _ => [(0, 0, NR - shift), (NR - shift, n - shift, shift)],
+        };
+        let full = |q: usize| pieces(q)[0].2 == NR;
         let rows = |p: usize| MR.min(m - p * MR);
         // The chains so far of the tiles two row panels below `corner` (row panel p), the line
         // holding each of their 12 rows' first element, on their way to L1 while the tile at
@@ -519,6 +557,25 @@ impl Sweep {
                 (0..below).for_each(|r| prefetch(out.as_ptr().wrapping_add(corner(p + 2, q) + r * n)));
             }
         };
+        // The next column panels of b (`next`: from q + 1, or q + 2 after a pair), their lines on
+        // their way to L2 a share at a time, as the tiles of row panels `rows` (of `ps`) compute:
+        // the whole of them by the end of this column's sweep. Without it the sweep's first tiles
+        // read them from L3, where packing left them once a and b outgrew L2 (an Intel Xeon,
+        // model 167, AVX2: 1024³ and 1024 × 768 × 1024 ran 3-4% faster with it).
+        let prefetch_b = |next: std::ops::Range<usize>, rows: std::ops::Range<usize>| {
+            if !prefetching {
+                return; // rows first: all of b was chosen to stay in L2
+            }
+            let lines = NR * kb / per_line::<f32>();
+            let share = lines.div_ceil(ps.len());
+            for q in next.start..next.end.min(qs.end) {
+                let panel = bpanel(q);
+                let from = (rows.start - ps.start) * share;
+                for l in from..((rows.end - ps.start) * share).min(lines) {
+                    prefetch_l2(panel.as_ptr().wrapping_add(l * per_line::<f32>()));
+                }
+            }
+        };
         let mut q = qs.start;
         while q < qs.end {
             let mut p = ps.start;
@@ -526,17 +583,19 @@ impl Sweep {
             // too), the same chains, about half the loads per FMA (14 per 24, not 13 per 12); a
             // 6 × 32 tile for a row panel they leave (one, or an edge: m = 128 leaves a full panel
             // and one of two rows), not the 6 × 16 AVX2 tile twice.
-            if let Some((_, quad, wide)) = tiles.avx512.filter(|_| q + 1 < qs.end && n >= (q + 2) * NR) {
+            if let Some((_, quad, wide)) = tiles.avx512.filter(|_| q + 1 < qs.end && full(q) && full(q + 1)) {
                 let bpanels = [bpanel(q), bpanel(q + 1)];
                 while p < ps.end {
                     prefetch_next(out, p, q);
                     prefetch_next(out, p, q + 1);
+                    prefetch_b(q + 2..q + 4, p..(p + 2).min(ps.end));
                     if p + 1 < ps.end && m >= (p + 2) * MR {
                         quad(kb, [apanel(p), apanel(p + 1)], bpanels, &mut out[corner(p, q)..], n, load);
                         p += 2;
                     } else {
                         let run = |c: &mut [MaybeUninit<f32>], ldc| wide(kb, apanel(p), bpanels, c, ldc, load);
-                        in_place_or_edge(out, corner(p, q), n, rows(p), 2 * NR, 2 * NR, load, edge, run);
+                        let both = [(0, 0, 2 * NR), (0, 0, 0)];
+                        in_place_or_edge(out, corner(p, q), n, rows(p), both, 2 * NR, load, edge, run);
                         p += 1;
                     }
                 }
@@ -545,10 +604,10 @@ impl Sweep {
             }
             // One column panel (a lone or an edge one): two full row panels at once where the CPU has
             // AVX-512 (12 × 16, the same chains, twice the accumulators in flight), else 6 × 16.
-            let cols = NR.min(n - q * NR);
             while p < ps.end {
                 prefetch_next(out, p, q);
-                let full_pair = p + 1 < ps.end && cols == NR && m >= (p + 2) * MR;
+                prefetch_b(q + 1..q + 2, p..(p + 2).min(ps.end));
+                let full_pair = p + 1 < ps.end && full(q) && m >= (p + 2) * MR;
                 match tiles.avx512.filter(|_| full_pair) {
                     Some((pair, _, _)) => {
                         pair(kb, apanel(p), apanel(p + 1), bpanel(q), &mut out[corner(p, q)..], n, load);
@@ -557,7 +616,7 @@ impl Sweep {
                     None => {
                         let run =
                             |c: &mut [MaybeUninit<f32>], ldc| (tiles.tile)(kb, apanel(p), bpanel(q), c, ldc, load);
-                        in_place_or_edge(out, corner(p, q), n, rows(p), cols, NR, load, edge, run);
+                        in_place_or_edge(out, corner(p, q), n, rows(p), pieces(q), NR, load, edge, run);
                         p += 1;
                     }
                 }
@@ -788,33 +847,67 @@ fn pack_each<T: Copy, const W: usize>(
 }
 
 /// Runs a tile `width` columns wide and `MR` rows high (`run(c, ldc)`) at
-/// `corner` of `out` (row stride `n`), of which `rows` × `cols` lie inside
-/// the output: in place when that is all of it, else through `scratch`, the
-/// valid part copied in (with `load`: the chains so far) and back out.
+/// `corner` of `out` (row stride `n`), of which `rows` rows and the columns
+/// `pieces` name — (lane of the tile, column from `corner`, count) — lie
+/// inside the output: in place when that is all of the tile, else through
+/// `scratch`, the valid part copied in (with `load`: the chains so far) and
+/// back out.
 #[allow(clippy::too_many_arguments)]
 fn in_place_or_edge(
     out: &mut [MaybeUninit<f32>],
     corner: usize,
     n: usize,
     rows: usize,
-    cols: usize,
+    pieces: [(usize, usize, usize); 2],
     width: usize,
     load: bool,
     scratch: &mut [f32; MR * 2 * NR],
     run: impl FnOnce(&mut [MaybeUninit<f32>], usize),
 ) {
-    if rows == MR && cols == width {
+    if rows == MR && pieces[0] == (0, 0, width) {
         return run(&mut out[corner..], n);
     }
     // SAFETY: the tile writes f32 values only.
     let e = unsafe { as_uninit(&mut scratch[..MR * width]) };
     for r in 0..if load { rows } else { 0 } {
-        e[r * width..][..cols].copy_from_slice(&out[corner + r * n..][..cols]);
+        for (lane, col, cols) in pieces {
+            e[r * width + lane..][..cols].copy_from_slice(&out[corner + r * n + col..][..cols]);
+        }
     }
     run(e, width);
     for r in 0..rows {
-        out[corner + r * n..][..cols].copy_from_slice(&e[r * width..][..cols]);
+        for (lane, col, cols) in pieces {
+            out[corner + r * n + col..][..cols].copy_from_slice(&e[r * width + lane..][..cols]);
+        }
     }
+}
+
+/// How many columns the column panels are pulled back by, so that the tiles'
+/// rows in the output start on 64-byte lines: `out`'s offset within its
+/// line, in f32s, where asked (`align`) and every row starts at the same
+/// offset (`n` a multiple of NR) — else 0. glibc's malloc puts a buffer 16,
+/// 32 or 48 bytes past a line as often as on one, and a 16-wide row of a
+/// tile then spans two lines: each of its loads and stores splits, and the
+/// prefetch of its line misses half of it. With the shift, panel 0 takes
+/// the NR − shift columns before the first line boundary and the last
+/// `shift` columns (through the edge scratch), and panel q > 0 the NR
+/// columns from q·NR − shift, each row's on one line. Which tile computes
+/// an element changes nothing in its chain.
+///
+/// Measured on an Intel Xeon (model 167), interleaved: through the AVX2
+/// tiles, 1024³ ran at 82–86 GFLOP/s on an output off its lines and 89–92
+/// on one, and the shift takes the former to the latter (the small preset's
+/// products, outputs of 1.5–6 MB: 3–4%). Asked only there: for an output in
+/// half of L2 (the tiny preset's) the split panel's trips through the
+/// scratch cost more than they save (lesson 01 at one rank 2% slower), and
+/// the AVX-512 tiles (two lines per row) gained nothing at 1024³ and lost
+/// their 32-wide tiles beside the split panel.
+fn column_shift(out: *const f32, n: usize, align: bool) -> usize {
+    #[cfg(test)]
+    if let Some(shift) = FORCED_SHIFT.with(|s| s.get()) {
+        return if n.is_multiple_of(NR) { shift } else { 0 };
+    }
+    if align && n.is_multiple_of(NR) { out as usize % 64 / 4 } else { 0 }
 }
 
 /// `len` elements of `v`'s spare capacity (at least `len` + 15), starting on a 64-byte line.
@@ -933,6 +1026,8 @@ thread_local! {
     static WIDE_TILES_RUN: std::cell::Cell<(usize, usize, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
     // How many products ran rows first: likewise.
     static ROWS_FIRST_RUN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    // A column shift the tests set in place of the output's own (`column_shift`).
+    static FORCED_SHIFT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1186,27 +1281,35 @@ mod tests {
             (6, 0, 16),
             (30, 300, 50),
             (25, 17, 80),
+            (13, 20, 16),
+            (25, 40, 64),
         ];
         let wide_before = WIDE_TILES_RUN.with(|n| n.get());
         let rows_first_before = ROWS_FIRST_RUN.with(|n| n.get());
-        for &(m, k, n) in &shapes {
-            // b plain, and b as wᵀ (a linear layer's weight, its lines along k, packed by transposes)
-            let (a, b, w) = (random(&[m, k], 1), random(&[k, n], 2), random(&[n, k], 3));
-            for b in [b, w.t().unwrap()] {
-                let want = reference(
-                    &a.flatten_all().unwrap().to_vec1().unwrap(),
-                    &b.flatten_all().unwrap().to_vec1().unwrap(),
-                    m,
-                    k,
-                    n,
-                );
-                let want: Vec<u32> = want.into_iter().map(f32::to_bits).collect();
-                for path in paths() {
-                    let got = bits(&a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap());
-                    assert_eq!(got, want, "{path:?}, {m}×{k}×{n}, b strides {:?}", b.stride());
+        // The output's own column layout, and where N is a multiple of NR every kind of shift
+        // (`column_shift`): panel 0 split between the first and the last columns, by 1 to 15.
+        for shift in [None, Some(0), Some(4), Some(12), Some(1), Some(15)] {
+            FORCED_SHIFT.with(|s| s.set(shift));
+            for &(m, k, n) in shapes.iter().filter(|s| shift.is_none() || s.2 % NR == 0) {
+                // b plain, and b as wᵀ (a linear layer's weight, its lines along k, packed by transposes)
+                let (a, b, w) = (random(&[m, k], 1), random(&[k, n], 2), random(&[n, k], 3));
+                for b in [b, w.t().unwrap()] {
+                    let want = reference(
+                        &a.flatten_all().unwrap().to_vec1().unwrap(),
+                        &b.flatten_all().unwrap().to_vec1().unwrap(),
+                        m,
+                        k,
+                        n,
+                    );
+                    let want: Vec<u32> = want.into_iter().map(f32::to_bits).collect();
+                    for path in paths() {
+                        let got = bits(&a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap());
+                        assert_eq!(got, want, "{path:?}, {m}×{k}×{n}, shift {shift:?}, b strides {:?}", b.stride());
+                    }
                 }
             }
         }
+        FORCED_SHIFT.with(|s| s.set(None));
         // Where the CPU has AVX-512, the wider tiles were among those checked (this thread's count).
         let (pairs, quads, wides) = WIDE_TILES_RUN.with(|n| n.get());
         let wide_run = (pairs - wide_before.0, quads - wide_before.1, wides - wide_before.2);
@@ -1248,7 +1351,15 @@ mod tests {
         let b = Blocks::from_caches(32 << 10, 512 << 10, 32 << 20);
         assert_eq!(
             b,
-            Blocks { kc: 1536, mc: 1362, nc: 1360, kc_small: 256, small_out: 256 << 10, rows_first_b: 256 << 10 }
+            Blocks {
+                kc: 1536,
+                mc: 1362,
+                nc: 1360,
+                kc_small: 256,
+                small_out: 256 << 10,
+                rows_first_b: 256 << 10,
+                shift_out: 256 << 10
+            }
         );
         assert_eq!(b.mc % MR + b.nc % NR, 0);
         // A kc-deep panel of b: 3/16 of L2; a kc_small-deep one: half of L1.
@@ -1267,7 +1378,7 @@ mod tests {
         let tiny = Blocks::from_caches(1, 1, 1);
         assert_eq!(
             tiny,
-            Blocks { kc: 64, mc: MR, nc: NR, kc_small: 64, small_out: 0, rows_first_b: 0 },
+            Blocks { kc: 64, mc: MR, nc: NR, kc_small: 64, small_out: 0, rows_first_b: 0, shift_out: 0 },
             "at least one tile"
         );
     }
