@@ -173,9 +173,11 @@ pub struct Blocks {
     pub kc_small: usize,
     pub small_out: usize,
     pub rows_first_b: usize,
-    /// Outputs of more bytes than this have the AVX2 tiles' column panels
-    /// follow their 64-byte lines (see `column_shift`).
-    pub shift_out: usize,
+    /// Bytes that can be counted on to stay in L2 (half of it). Beyond
+    /// them, an output has the AVX2 tiles' column panels follow its 64-byte
+    /// lines (see `column_shift`), and packed operands have each sweep ask
+    /// for the next panels (see `Sweep`).
+    pub in_l2: usize,
 }
 
 impl Blocks {
@@ -197,14 +199,14 @@ impl Blocks {
         let kc_small = (l1 / 2 / (4 * NR)).clamp(64, kc);
         // Rows first where one packed k-block of all of b fits in half of L2 (measured on an
         // Intel Xeon; see `products`).
-        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2, shift_out: l2 / 2 }
+        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2, in_l2: l2 / 2 }
     }
     // ANCHOR_END: blocks
 
     /// Blocks of the given sizes, whatever the output's size, in the
     /// columns-first order.
     pub fn fixed(kc: usize, mc: usize, nc: usize) -> Blocks {
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, shift_out: 0 }
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, in_l2: 0 }
     }
 
     /// The k-block for a contraction of `k` into an `m` × `n` output: the
@@ -246,7 +248,7 @@ impl Blocks {
         let kc = (l1 / 2 / (4 * NR)).clamp(64, 1 << 14);
         let mc = ((l2 / 4 / (4 * kc)) / MR * MR).max(MR);
         let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, shift_out: l2 / 2 }
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, in_l2: l2 / 2 }
     }
 
     /// The blocks of the path in use on this CPU ([`Blocks::for_path`]).
@@ -296,7 +298,7 @@ impl Blocks {
         let rule =
             if isa == Isa::Avx2 && intel { Blocks::l1_resident(l1, l2, l3) } else { Blocks::from_caches(l1, l2, l3) };
         // The knob sets the sizes; the loops' order and the output's column layout stay the rule's.
-        asked.map_or(rule, |asked| Blocks { rows_first_b: rule.rows_first_b, shift_out: rule.shift_out, ..asked })
+        asked.map_or(rule, |asked| Blocks { rows_first_b: rule.rows_first_b, in_l2: rule.in_l2, ..asked })
     }
 }
 
@@ -424,7 +426,9 @@ fn products<T: Copy + 'static>(
     // shapes zeroing the three buffers cost more than packing them.
     let mut out: Vec<f32> = Vec::with_capacity(len);
     // The AVX2 tiles' column panels follow a large output's lines.
-    let shift = column_shift(out.as_ptr(), n, tiles.avx512.is_none() && 4 * m * n > blocks.shift_out);
+    let shift = column_shift(out.as_ptr(), n, tiles.avx512.is_none() && 4 * m * n > blocks.in_l2);
+    // Whether a and b, packed, outgrow what stays in L2: then each sweep asks for the next panels.
+    let ahead = 4 * (mp * MR + np * NR) * k > blocks.in_l2;
     // Both operands packed whole (rows first: b whole, a two row panels at a time), as
     // [k-block][panel][k][row or column]: the panel of k-block k0 that the tile reads is
     // contiguous, kb × MR or kb × NR. Each starts on a 64-byte line (malloc gives 16): a panel
@@ -485,7 +489,8 @@ fn products<T: Copy + 'static>(
                     // SAFETY: `pack` wrote every element of this pair's (or one's) panels.
                     let ap = unsafe { assume_init(&ap[..panels * MR * kb]) };
                     let apanel = |pp: usize| &ap[(pp - p) * MR * kb..][..MR * kb];
-                    let sweep = Sweep { kb, load, prefetch: false, m, n, shift, ps: p..p + panels, qs: 0..np };
+                    let sweep =
+                        Sweep { kb, load, prefetch: false, ahead: false, m, n, shift, ps: p..p + panels, qs: 0..np };
                     sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge, &[]);
                 }
                 continue;
@@ -499,7 +504,7 @@ fn products<T: Copy + 'static>(
             // outgrow L2 and each block of a is swept 24 times; the AVX-512 tiles did not gain.
             let a_block = |k0: usize, kb: usize, p0: usize| &ap[at_a(k0, kb, p0)..][..mcp.min(mp - p0) * MR * kb];
             let after = |q0: usize, p0: usize| match () {
-                _ if tiles.avx512.is_some() => &[][..],
+                _ if tiles.avx512.is_some() || !ahead => &[][..],
                 _ if p0 + mcp < mp => a_block(k0, kb, p0 + mcp),
                 _ if q0 + ncp < np => a_block(k0, kb, 0),
                 _ => k_blocks().find(|&(k1, _)| k1 > k0).map_or(&[][..], |(k1, kb1)| a_block(k1, kb1, 0)),
@@ -508,7 +513,7 @@ fn products<T: Copy + 'static>(
                 for p0 in (0..mp).step_by(mcp) {
                     let apanel = |p: usize| &ap[at_a(k0, kb, p)..][..MR * kb];
                     let (ps, qs) = (p0..mp.min(p0 + mcp), q0..np.min(q0 + ncp));
-                    let sweep = Sweep { kb, load, prefetch: true, m, n, shift, ps, qs };
+                    let sweep = Sweep { kb, load, prefetch: true, ahead, m, n, shift, ps, qs };
                     sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge, after(q0, p0));
                 }
             }
@@ -528,6 +533,10 @@ struct Sweep {
     /// Prefetch the chains so far of the tiles two row panels below (columns first only: rows
     /// first reaches them after a whole sweep of b, by when L1 would have lost them).
     prefetch: bool,
+    /// Ask for the next column panels of b into L2 (columns first, and only where a and b
+    /// outgrow L2: at the tiny preset's products they are in L2 already, and asking only adds
+    /// instructions; lesson 01 at one rank within 1% either way).
+    ahead: bool,
     m: usize,
     n: usize,
     /// The column layout ([`column_shift`]): 0, or panel 0 split between the output's first
@@ -550,7 +559,7 @@ impl Sweep {
         edge: &mut [f32; MR * 2 * NR],
         next_a: &[f32],
     ) {
-        let Sweep { kb, load, prefetch: prefetching, m, n, shift, .. } = *self;
+        let Sweep { kb, load, prefetch: prefetching, ahead, m, n, shift, .. } = *self;
         let (ps, qs) = (self.ps.clone(), self.qs.clone());
         let col0 = |q: usize| (q * NR).saturating_sub(shift);
         let corner = |p: usize, q: usize| (p * MR) * n + col0(q);
@@ -576,8 +585,8 @@ impl Sweep {
         // read them from L3, where packing left them once a and b outgrew L2 (an Intel Xeon,
         // model 167, AVX2: 1024³ and 1024 × 768 × 1024 ran 3-4% faster with it).
         let prefetch_b = |next: std::ops::Range<usize>, rows: std::ops::Range<usize>| {
-            if !prefetching {
-                return; // rows first: all of b was chosen to stay in L2
+            if !ahead {
+                return; // all of b stays in L2 (chosen so, rows first)
             }
             let lines = NR * kb / per_line::<f32>();
             let share = lines.div_ceil(ps.len());
@@ -1387,7 +1396,7 @@ mod tests {
                 kc_small: 256,
                 small_out: 256 << 10,
                 rows_first_b: 256 << 10,
-                shift_out: 256 << 10
+                in_l2: 256 << 10
             }
         );
         assert_eq!(b.mc % MR + b.nc % NR, 0);
@@ -1407,7 +1416,7 @@ mod tests {
         let tiny = Blocks::from_caches(1, 1, 1);
         assert_eq!(
             tiny,
-            Blocks { kc: 64, mc: MR, nc: NR, kc_small: 64, small_out: 0, rows_first_b: 0, shift_out: 0 },
+            Blocks { kc: 64, mc: MR, nc: NR, kc_small: 64, small_out: 0, rows_first_b: 0, in_l2: 0 },
             "at least one tile"
         );
     }
