@@ -1158,7 +1158,17 @@ unsafe fn quad_avx512_inner(
                 *a = [_mm512_loadu_ps(c.add(r * ldc)), _mm512_loadu_ps(c.add(r * ldc + NR))];
             }
         }
+        // Each step asks for b's lines eight steps on and, every other step, a's four on (a hint:
+        // no value changes). At a k-block of 1024 the two b panels (128 KiB) stream from L2 for
+        // every pair of row panels, and the hardware's prefetchers did not keep up: 1024³ ran 6%
+        // faster with it on an Intel Xeon (model 167), the tiny and small preset's products within 1%.
         for p in 0..k {
+            _mm_prefetch::<_MM_HINT_T0>(bp0.wrapping_add((p + 8) * NR).cast());
+            _mm_prefetch::<_MM_HINT_T0>(bp1.wrapping_add((p + 8) * NR).cast());
+            if p % 2 == 0 {
+                _mm_prefetch::<_MM_HINT_T0>(ap0.wrapping_add(p * MR + 96).cast());
+                _mm_prefetch::<_MM_HINT_T0>(ap1.wrapping_add(p * MR + 96).cast());
+            }
             let (b0, b1) = (_mm512_loadu_ps(bp0.add(p * NR)), _mm512_loadu_ps(bp1.add(p * NR)));
             for r in 0..MR {
                 // row r of each row panel: acc[r] from the first, acc[MR + r] from the second
