@@ -1158,7 +1158,7 @@ unsafe fn quad_avx512_inner(
                 *a = [_mm512_loadu_ps(c.add(r * ldc)), _mm512_loadu_ps(c.add(r * ldc + NR))];
             }
         }
-        // Each step asks for b's lines eight steps on and, every other step, a's four on (a hint:
+        // Each step asks for b's lines eight steps on and, every other step, a's sixteen on (a hint:
         // no value changes). At a k-block of 1024 the two b panels (128 KiB) stream from L2 for
         // every pair of row panels, and the hardware's prefetchers did not keep up: 1024³ ran 6%
         // faster with it on an Intel Xeon (model 167), the tiny and small preset's products within 1%.
