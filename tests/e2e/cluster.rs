@@ -112,7 +112,9 @@ fn resumes_exactly(ck: &Path, name: &str) {
 /// plm_rsh_module.c). It says nothing about the job, and comes or not with
 /// the scheduler.
 fn launcher_race(line: &str) -> bool {
-    line.contains("plm:rsh: Warning: setpgid(") && line.contains("Permission denied(13)")
+    line.contains("plm:rsh: Warning: setpgid(")
+        && line.contains("failed in parent")
+        && line.contains("Permission denied(13)")
 }
 
 /// Only that warning passes: the line a CI run printed, not a transport error.

@@ -67,8 +67,9 @@ pub(super) fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
-/// [`prefetch`] into L2 only (T1), for lines wanted later than the next
-/// microseconds: they do not push out what L1 holds for the work at hand.
+/// [`prefetch`] into L2, not L1 (the T1 hint), for lines wanted some
+/// microseconds from now: they do not push out what L1 holds for the work
+/// at hand.
 #[inline(always)]
 pub(super) fn prefetch_l2<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]

@@ -33,10 +33,12 @@
 //! element is still one chain over k in order, whatever the block sizes —
 //! which the cache sizes may therefore choose freely. Parts of the packing
 //! ask for the lines they will read next (`common::prefetch`), since an
-//! operand may come from L3 or memory, where an op before left it, and each
-//! column's sweep asks for the next column panel of `b`, into L2. On the
-//! AVX2 path a large output's column panels follow its 64-byte lines
-//! (`column_shift`), so that no row of a tile straddles two of them.
+//! operand may come from L3 or memory, where an op before left it; where
+//! the packed `a` and `b` outgrow half of L2, each column's sweep asks for
+//! the next column panel of `b` (and on the AVX2 path the next block of
+//! `a`) into L2, and the 12 × 32 AVX-512 tile asks for its own panels'
+//! next lines. On the AVX2 path a large output's column panels follow its
+//! 64-byte lines (`column_shift`), so that no row of a tile straddles two.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
@@ -204,7 +206,9 @@ impl Blocks {
     // ANCHOR_END: blocks
 
     /// Blocks of the given sizes, whatever the output's size, in the
-    /// columns-first order.
+    /// columns-first order; `in_l2` 0, so that the column shift and the
+    /// sweeps' prefetches run at every size (the tests' forced blocks rely
+    /// on it).
     pub fn fixed(kc: usize, mc: usize, nc: usize) -> Blocks {
         Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, in_l2: 0 }
     }
@@ -261,9 +265,11 @@ impl Blocks {
     /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::l1_resident`]
     /// for the AVX2 tiles on an Intel core, else by [`Blocks::from_caches`].
     /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets the three sizes instead, for every
-    /// path and output size (no `kc_small`; the threshold `rows_first_b`
-    /// stays the rule's, so which products run rows first follows KC, and
-    /// MC and NC play no part in those), to measure others: the bits are the same.
+    /// path and output size (no `kc_small`; the thresholds `rows_first_b`
+    /// and `in_l2` stay the rule's, so which products run rows first follows
+    /// KC, and MC and NC play no part in those, and the column shift and the
+    /// sweeps' prefetches apply where they would), to measure others: the
+    /// bits are the same.
     pub fn for_path(isa: Isa) -> Blocks {
         use std::sync::OnceLock;
         static CPU: OnceLock<(Option<Blocks>, [usize; 3], bool)> = OnceLock::new();
@@ -297,7 +303,7 @@ impl Blocks {
         });
         let rule =
             if isa == Isa::Avx2 && intel { Blocks::l1_resident(l1, l2, l3) } else { Blocks::from_caches(l1, l2, l3) };
-        // The knob sets the sizes; the loops' order and the output's column layout stay the rule's.
+        // The knob sets the sizes; the loops' order, the column layout and the prefetches stay the rule's.
         asked.map_or(rule, |asked| Blocks { rows_first_b: rule.rows_first_b, in_l2: rule.in_l2, ..asked })
     }
 }
@@ -426,7 +432,7 @@ fn products<T: Copy + 'static>(
     // shapes zeroing the three buffers cost more than packing them.
     let mut out: Vec<f32> = Vec::with_capacity(len);
     // The AVX2 tiles' column panels follow a large output's lines.
-    let shift = column_shift(out.as_ptr(), n, tiles.avx512.is_none() && 4 * m * n > blocks.in_l2);
+    let shift = column_shift(out.as_ptr(), n, isa == Isa::Avx2 && 4 * m * n > blocks.in_l2);
     // Whether a and b, packed, outgrow what stays in L2: then each sweep asks for the next panels.
     let ahead = 4 * (mp * MR + np * NR) * k > blocks.in_l2;
     // Both operands packed whole (rows first: b whole, a two row panels at a time), as
@@ -463,7 +469,7 @@ fn products<T: Copy + 'static>(
             if shift == 0 {
                 pack::<_, NR>(isa, &b_view(0, n), y, kb, widen, panels);
             } else {
-                // Panel 0: the NR - shift columns before the output's first line boundary, then the
+                // Panel 0: the NR − shift columns before the output's first line boundary, then the
                 // last `shift` columns; panels 1.. the columns between, NR at a time (`column_shift`).
                 let (head, rest) = panels.split_at_mut(NR * kb);
                 pack::<_, NR>(isa, &b_view(0, NR - shift), y, kb, widen, head);
@@ -476,7 +482,8 @@ fn products<T: Copy + 'static>(
                 pack::<_, NR>(isa, &b_view(NR - shift, n - NR), y, kb, widen, rest);
             }
         }
-        // SAFETY: `pack` wrote every element of b (all k-blocks, every panel).
+        // SAFETY: `pack` (and, for a split panel 0, the loop over its last columns) wrote every
+        // element of b (all k-blocks, every panel).
         let bp = unsafe { assume_init(bp) };
         let bpanel = |k0: usize, kb: usize| move |q: usize| &bp[at_b(k0, kb, q)..][..NR * kb];
         for (k0, kb) in k_blocks() {
@@ -489,8 +496,17 @@ fn products<T: Copy + 'static>(
                     // SAFETY: `pack` wrote every element of this pair's (or one's) panels.
                     let ap = unsafe { assume_init(&ap[..panels * MR * kb]) };
                     let apanel = |pp: usize| &ap[(pp - p) * MR * kb..][..MR * kb];
-                    let sweep =
-                        Sweep { kb, load, prefetch: false, ahead: false, m, n, shift, ps: p..p + panels, qs: 0..np };
+                    let sweep = Sweep {
+                        kb,
+                        load,
+                        prefetch_chains: false,
+                        prefetch_panels: false,
+                        m,
+                        n,
+                        shift,
+                        ps: p..p + panels,
+                        qs: 0..np,
+                    };
                     sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge, &[]);
                 }
                 continue;
@@ -503,17 +519,22 @@ fn products<T: Copy + 'static>(
             // N = 384 ran 2.7-2.8% faster with it (an Intel Xeon, model 167), where a and b
             // outgrow L2 and each block of a is swept 24 times; the AVX-512 tiles did not gain.
             let a_block = |k0: usize, kb: usize, p0: usize| &ap[at_a(k0, kb, p0)..][..mcp.min(mp - p0) * MR * kb];
-            let after = |q0: usize, p0: usize| match () {
-                _ if tiles.avx512.is_some() || !ahead => &[][..],
-                _ if p0 + mcp < mp => a_block(k0, kb, p0 + mcp),
-                _ if q0 + ncp < np => a_block(k0, kb, 0),
-                _ => k_blocks().find(|&(k1, _)| k1 > k0).map_or(&[][..], |(k1, kb1)| a_block(k1, kb1, 0)),
+            let after = |q0: usize, p0: usize| {
+                if isa != Isa::Avx2 || !ahead {
+                    &[][..]
+                } else if p0 + mcp < mp {
+                    a_block(k0, kb, p0 + mcp)
+                } else if q0 + ncp < np {
+                    a_block(k0, kb, 0)
+                } else {
+                    k_blocks().find(|&(k1, _)| k1 > k0).map_or(&[][..], |(k1, kb1)| a_block(k1, kb1, 0))
+                }
             };
             for q0 in (0..np).step_by(ncp) {
                 for p0 in (0..mp).step_by(mcp) {
                     let apanel = |p: usize| &ap[at_a(k0, kb, p)..][..MR * kb];
                     let (ps, qs) = (p0..mp.min(p0 + mcp), q0..np.min(q0 + ncp));
-                    let sweep = Sweep { kb, load, prefetch: true, ahead, m, n, shift, ps, qs };
+                    let sweep = Sweep { kb, load, prefetch_chains: true, prefetch_panels: ahead, m, n, shift, ps, qs };
                     sweep.run(&tiles, apanel, bpanel(k0, kb), out, &mut edge, after(q0, p0));
                 }
             }
@@ -532,15 +553,15 @@ struct Sweep {
     load: bool,
     /// Prefetch the chains so far of the tiles two row panels below (columns first only: rows
     /// first reaches them after a whole sweep of b, by when L1 would have lost them).
-    prefetch: bool,
+    prefetch_chains: bool,
     /// Ask for the next column panels of b into L2 (columns first, and only where a and b
-    /// outgrow L2: at the tiny preset's products they are in L2 already, and asking only adds
-    /// instructions; lesson 01 at one rank within 1% either way).
-    ahead: bool,
+    /// outgrow half of L2: at the tiny preset's products they are in L2 already, and asking
+    /// only adds instructions; lesson 01 at one rank within 1% either way).
+    prefetch_panels: bool,
     m: usize,
     n: usize,
     /// The column layout ([`column_shift`]): 0, or panel 0 split between the output's first
-    /// NR - shift columns and its last `shift`, panel q > 0 from column q·NR - shift.
+    /// NR − shift columns and its last `shift`, panel q > 0 from column q·NR − shift.
     shift: usize,
     ps: std::ops::Range<usize>,
     qs: std::ops::Range<usize>,
@@ -549,7 +570,8 @@ struct Sweep {
 impl Sweep {
     /// Column panels outer, row panels inner, the widest tiles that fit
     /// (`apanel(p)`, `bpanel(q)`: the packed panels, `kb` deep); edge tiles
-    /// through `edge`.
+    /// through `edge`. `next_a`: the packed block of `a` the next sweep
+    /// reads, to ask for into L2 as this one runs (empty: nothing to ask for).
     fn run<'a, 'b>(
         &self,
         tiles: &Tiles,
@@ -559,7 +581,7 @@ impl Sweep {
         edge: &mut [f32; MR * 2 * NR],
         next_a: &[f32],
     ) {
-        let Sweep { kb, load, prefetch: prefetching, ahead, m, n, shift, .. } = *self;
+        let Sweep { kb, load, prefetch_chains, prefetch_panels, m, n, shift, .. } = *self;
         let (ps, qs) = (self.ps.clone(), self.qs.clone());
         let col0 = |q: usize| (q * NR).saturating_sub(shift);
         let corner = |p: usize, q: usize| (p * MR) * n + col0(q);
@@ -574,41 +596,40 @@ impl Sweep {
         // holding each of their 12 rows' first element, on their way to L1 while the tile at
         // `corner` computes (a hint: no value changes).
         let prefetch_next = |out: &[MaybeUninit<f32>], p: usize, q: usize| {
-            if load && prefetching {
+            if load && prefetch_chains {
                 let below = (2 * MR).min(m.saturating_sub((p + 2) * MR));
                 (0..below).for_each(|r| prefetch(out.as_ptr().wrapping_add(corner(p + 2, q) + r * n)));
             }
         };
-        // The next column panels of b (`next`: from q + 1, or q + 2 after a pair), their lines on
-        // their way to L2 a share at a time, as the tiles of row panels `rows` (of `ps`) compute:
-        // the whole of them by the end of this column's sweep. Without it the sweep's first tiles
-        // read them from L3, where packing left them once a and b outgrew L2 (an Intel Xeon,
-        // model 167, AVX2: 1024³ and 1024 × 768 × 1024 ran 3-4% faster with it).
-        let prefetch_b = |next: std::ops::Range<usize>, rows: std::ops::Range<usize>| {
-            if !ahead {
-                return; // all of b stays in L2 (chosen so, rows first)
+        // The next column panels of b (`next`: from q + 1, or q + 2 after a 32-wide tile), their
+        // lines on their way to L2 a share at a time, as the tiles of row panels `row_panels` (of
+        // `ps`) compute: the whole of them by the end of this column's sweep. Without it the
+        // sweep's first tiles read them from L3, where packing left them once a and b outgrew L2
+        // (an Intel Xeon, model 167, AVX2: 1024³ and 1024 × 768 × 1024 ran 3-4% faster with it).
+        let prefetch_b = |next: std::ops::Range<usize>, row_panels: std::ops::Range<usize>| {
+            if !prefetch_panels {
+                return; // a and b stay in L2 (or, rows first, all of b does)
             }
             let lines = NR * kb / per_line::<f32>();
             let share = lines.div_ceil(ps.len());
             for q in next.start..next.end.min(qs.end) {
                 let panel = bpanel(q);
-                let from = (rows.start - ps.start) * share;
-                for l in from..((rows.end - ps.start) * share).min(lines) {
+                let from = (row_panels.start - ps.start) * share;
+                for l in from..((row_panels.end - ps.start) * share).min(lines) {
                     prefetch_l2(panel.as_ptr().wrapping_add(l * per_line::<f32>()));
                 }
             }
         };
-        // The block of a the next sweep reads (`next_a`, if any), likewise, a share per tile of this one.
-        let units = ps.len() * qs.len();
+        // The block of a the next sweep reads (`next_a`: the AVX2 path's 6 × 16 tiles alone),
+        // likewise, a share per tile of this sweep's ps.len() × qs.len().
         let a_lines = next_a.len() / per_line::<f32>();
-        let a_share = a_lines.div_ceil(units.max(1));
-        let done = std::cell::Cell::new(0);
-        let prefetch_a = |tiles: usize| {
-            let from = done.get() * a_share;
-            for l in from..(from + tiles * a_share).min(a_lines) {
+        let a_share = a_lines.div_ceil((ps.len() * qs.len()).max(1));
+        let mut a_done = 0;
+        let mut prefetch_a = || {
+            for l in a_done..(a_done + a_share).min(a_lines) {
                 prefetch_l2(next_a.as_ptr().wrapping_add(l * per_line::<f32>()));
             }
-            done.set(done.get() + tiles);
+            a_done += a_share;
         };
         let mut q = qs.start;
         while q < qs.end {
@@ -622,13 +643,12 @@ impl Sweep {
                 while p < ps.end {
                     prefetch_next(out, p, q);
                     prefetch_next(out, p, q + 1);
-                    prefetch_b(q + 2..q + 4, p..(p + 2).min(ps.end));
                     if p + 1 < ps.end && m >= (p + 2) * MR {
-                        prefetch_a(4);
+                        prefetch_b(q + 2..q + 4, p..p + 2);
                         quad(kb, [apanel(p), apanel(p + 1)], bpanels, &mut out[corner(p, q)..], n, load);
                         p += 2;
                     } else {
-                        prefetch_a(2);
+                        prefetch_b(q + 2..q + 4, p..p + 1);
                         let run = |c: &mut [MaybeUninit<f32>], ldc| wide(kb, apanel(p), bpanels, c, ldc, load);
                         let both = [(0, 0, 2 * NR), (0, 0, 0)];
                         in_place_or_edge(out, corner(p, q), n, rows(p), both, 2 * NR, load, edge, run);
@@ -642,16 +662,16 @@ impl Sweep {
             // AVX-512 (12 × 16, the same chains, twice the accumulators in flight), else 6 × 16.
             while p < ps.end {
                 prefetch_next(out, p, q);
-                prefetch_b(q + 1..q + 2, p..(p + 2).min(ps.end));
                 let full_pair = p + 1 < ps.end && full(q) && m >= (p + 2) * MR;
                 match tiles.avx512.filter(|_| full_pair) {
                     Some((pair, _, _)) => {
-                        prefetch_a(2);
+                        prefetch_b(q + 1..q + 2, p..p + 2);
                         pair(kb, apanel(p), apanel(p + 1), bpanel(q), &mut out[corner(p, q)..], n, load);
                         p += 2;
                     }
                     None => {
-                        prefetch_a(1);
+                        prefetch_b(q + 1..q + 2, p..p + 1);
+                        prefetch_a();
                         let run =
                             |c: &mut [MaybeUninit<f32>], ldc| (tiles.tile)(kb, apanel(p), bpanel(q), c, ldc, load);
                         in_place_or_edge(out, corner(p, q), n, rows(p), pieces(q), NR, load, edge, run);
@@ -925,8 +945,9 @@ fn in_place_or_edge(
 /// line, in f32s, where asked (`align`) and every row starts at the same
 /// offset (`n` a multiple of NR) — else 0. glibc's malloc puts a buffer 16,
 /// 32 or 48 bytes past a line as often as on one, and a 16-wide row of a
-/// tile then spans two lines: each of its loads and stores splits, and the
-/// prefetch of its line misses half of it. With the shift, panel 0 takes
+/// tile then spans two lines: at 16 or 48 bytes off, one of its two 32-byte
+/// loads and stores crosses a line, and the prefetch of the line holding
+/// its first element fetches only part of it. With the shift, panel 0 takes
 /// the NR − shift columns before the first line boundary and the last
 /// `shift` columns (through the edge scratch), and panel q > 0 the NR
 /// columns from q·NR − shift, each row's on one line. Which tile computes
@@ -1121,6 +1142,7 @@ fn quad_avx512(k: usize, ap: [&[f32]; 2], bp: [&[f32]; 2], c: &mut [MaybeUninit<
     // SAFETY: chosen only where the CPU has AVX-512F; loads stay within the
     // panels and `c` (checked above), stores within `c`; `c` is read only
     // with `load`, when the k-block before stored it.
+    // The prefetches may name addresses past the panels (`wrapping_add`): hints, never read.
     unsafe {
         quad_avx512_inner(
             k,
@@ -1315,7 +1337,9 @@ mod tests {
         // (7, 9, 40): fewer rows than two panels (no 12 × 32 tile fits) beside two full column panels;
         // (13, 20, 150): a plain b of ten column panels, packed in groups of eight, the last with an
         // edge; (13, 20, 144): nine, the last alone and without an edge; (3, 20, 40): one row panel,
-        // an edge; (13, 20, 5): one column panel, an edge.
+        // an edge; (13, 20, 5): one column panel, an edge; (13, 20, 16): N = NR, under a forced
+        // shift the split panel alone; (25, 40, 64): the split panel, a pair of full column panels
+        // and a lone one at a shifted corner.
         let shapes = [
             (1, 1, 1),
             (3, 20, 40),
@@ -1385,12 +1409,30 @@ mod tests {
             bits(&matmul(&at.t().unwrap().contiguous().unwrap(), &g).unwrap()),
             bits(&matmul(&p, &v.contiguous().unwrap()).unwrap()),
         );
-        for path in paths() {
-            let op = MatMul { path };
-            assert_eq!(bits(&q.apply_op2_no_bwd(&k.t().unwrap(), &op).unwrap()), want.0, "{path:?}");
-            assert_eq!(bits(&at.t().unwrap().apply_op2_no_bwd(&g, &op).unwrap()), want.1, "{path:?}");
-            assert_eq!(bits(&p.apply_op2_no_bwd(&v, &op).unwrap()), want.2, "{path:?}");
+        // P @ V (N = 32, six items, b a view) also with panel 0 split (`column_shift`).
+        for shift in [None, Some(4), Some(15)] {
+            FORCED_SHIFT.with(|s| s.set(shift));
+            for path in paths() {
+                let op = MatMul { path };
+                assert_eq!(bits(&q.apply_op2_no_bwd(&k.t().unwrap(), &op).unwrap()), want.0, "{path:?}");
+                assert_eq!(bits(&at.t().unwrap().apply_op2_no_bwd(&g, &op).unwrap()), want.1, "{path:?}");
+                assert_eq!(bits(&p.apply_op2_no_bwd(&v, &op).unwrap()), want.2, "{path:?}, shift {shift:?}");
+            }
         }
+        FORCED_SHIFT.with(|s| s.set(None));
+    }
+
+    #[test]
+    fn the_column_shift_puts_each_full_panel_on_a_line() {
+        // An output 16 bytes past a line: panel 0 takes 12 columns, panel 1 starts on the next line.
+        let out = 0x1010 as *const f32;
+        let shift = column_shift(out, 32, true);
+        assert_eq!(shift, 4);
+        assert_eq!((out as usize + 4 * (NR - shift)) % 64, 0);
+        // On a line, unasked, or rows that start at different places in a line: no shift.
+        assert_eq!(column_shift(0x1040 as *const f32, 32, true), 0);
+        assert_eq!(column_shift(out, 32, false), 0);
+        assert_eq!(column_shift(out, 40, true), 0);
     }
 
     #[test]
@@ -1454,6 +1496,17 @@ mod tests {
         let out = matmul(&a, &b).unwrap();
         assert_eq!(out.dtype(), DType::BF16);
         assert_eq!(bits(&out), bits(&wide.to_dtype(DType::BF16).unwrap()));
+        // N = 32 with panel 0 split (its last columns widened on their own): the same rounding.
+        let b = random(&[40, 32], 7).to_dtype(DType::BF16).unwrap();
+        let wide = matmul(&a.to_dtype(DType::F32).unwrap(), &b.to_dtype(DType::F32).unwrap()).unwrap();
+        for shift in [4, 12] {
+            FORCED_SHIFT.with(|s| s.set(Some(shift)));
+            for path in paths() {
+                let out = a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap();
+                assert_eq!(bits(&out), bits(&wide.to_dtype(DType::BF16).unwrap()), "{path:?}, shift {shift}");
+            }
+        }
+        FORCED_SHIFT.with(|s| s.set(None));
     }
 
     #[test]
