@@ -128,6 +128,9 @@ fn only_the_launchers_setpgid_race_is_let_through() {
     assert!(!launcher_race(
         "[node1:30860] plm:rsh: Error: setpgid(0,0) failed in child with errno=Permission denied(13)"
     ));
+    assert!(!launcher_race(
+        "[node1:30860] plm:rsh: Warning: setpgid(30865,30865) failed in child with errno=Permission denied(13)"
+    ));
 }
 
 fn fresh(name: &str) -> (PathBuf, PathBuf) {

@@ -33,12 +33,13 @@
 //! element is still one chain over k in order, whatever the block sizes —
 //! which the cache sizes may therefore choose freely. Parts of the packing
 //! ask for the lines they will read next (`common::prefetch`), since an
-//! operand may come from L3 or memory, where an op before left it; where
-//! the packed `a` and `b` outgrow half of L2, each column's sweep asks for
-//! the next column panel of `b` (and on the AVX2 path the next block of
-//! `a`) into L2, and the 12 × 32 AVX-512 tile asks for its own panels'
-//! next lines. On the AVX2 path a large output's column panels follow its
-//! 64-byte lines (`column_shift`), so that no row of a tile straddles two.
+//! operand may come from L3 or memory, where an op before left it. Where
+//! the packed `a` and `b` outgrow half of L2, each column's sweep (columns
+//! first) asks for the next column panel of `b` (and on the AVX2 path the
+//! next block of `a`) into L2. The 12 × 32 AVX-512 tile always asks for
+//! its own panels' next lines. On the AVX2 path the column panels of a
+//! large output follow its 64-byte lines (`column_shift`), so that no row
+//! of a tile straddles two.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
@@ -176,7 +177,7 @@ pub struct Blocks {
     pub small_out: usize,
     pub rows_first_b: usize,
     /// Bytes that can be counted on to stay in L2 (half of it). Beyond
-    /// them, an output has the AVX2 tiles' column panels follow its 64-byte
+    /// them, on the AVX2 path an output's column panels follow its 64-byte
     /// lines (see `column_shift`), and packed operands have each sweep ask
     /// for the next panels (see `Sweep`).
     pub in_l2: usize,
@@ -431,7 +432,7 @@ fn products<T: Copy + 'static>(
     // of its panels (the rows and columns past an edge as 0). At the lessons'
     // shapes zeroing the three buffers cost more than packing them.
     let mut out: Vec<f32> = Vec::with_capacity(len);
-    // The AVX2 tiles' column panels follow a large output's lines.
+    // On the AVX2 path the column panels follow a large output's lines.
     let shift = column_shift(out.as_ptr(), n, isa == Isa::Avx2 && 4 * m * n > blocks.in_l2);
     // Whether a and b, packed, outgrow what stays in L2: then each sweep asks for the next panels.
     let ahead = 4 * (mp * MR + np * NR) * k > blocks.in_l2;
@@ -605,7 +606,7 @@ impl Sweep {
         // lines on their way to L2 a share at a time, as the tiles of row panels `row_panels` (of
         // `ps`) compute: the whole of them by the end of this column's sweep. Without it the
         // sweep's first tiles read them from L3, where packing left them once a and b outgrew L2
-        // (an Intel Xeon, model 167, AVX2: 1024³ and 1024 × 768 × 1024 ran 3-4% faster with it).
+        // (an Intel Xeon, model 167, AVX2: 1024³ and 1024 × 768 × 1024 ran about 4% faster with it).
         let prefetch_b = |next: std::ops::Range<usize>, row_panels: std::ops::Range<usize>| {
             if !prefetch_panels {
                 return; // a and b stay in L2 (or, rows first, all of b does)
@@ -620,14 +621,18 @@ impl Sweep {
                 }
             }
         };
-        // The block of a the next sweep reads (`next_a`: the AVX2 path's 6 × 16 tiles alone),
-        // likewise, a share per tile of this sweep's ps.len() × qs.len().
-        let a_lines = next_a.len() / per_line::<f32>();
+        // The block of a the next sweep reads (`next_a`: the AVX2 path's 6 × 16 tiles alone, one
+        // call per tile), likewise, a share per tile of this sweep's ps.len() × qs.len(): every
+        // line it touches, counted from the line holding its first element.
+        debug_assert!(next_a.is_empty() || tiles.avx512.is_none(), "a's share counts one 6 × 16 tile per unit");
+        let skew = next_a.as_ptr() as usize % 64 / 4;
+        let first_line = next_a.as_ptr().wrapping_sub(skew);
+        let a_lines = if next_a.is_empty() { 0 } else { (skew + next_a.len()).div_ceil(per_line::<f32>()) };
         let a_share = a_lines.div_ceil((ps.len() * qs.len()).max(1));
         let mut a_done = 0;
         let mut prefetch_a = || {
             for l in a_done..(a_done + a_share).min(a_lines) {
-                prefetch_l2(next_a.as_ptr().wrapping_add(l * per_line::<f32>()));
+                prefetch_l2(first_line.wrapping_add(l * per_line::<f32>()));
             }
             a_done += a_share;
         };
@@ -1360,7 +1365,7 @@ mod tests {
         let rows_first_before = ROWS_FIRST_RUN.with(|n| n.get());
         // The output's own column layout, and where N is a multiple of NR every kind of shift
         // (`column_shift`): panel 0 split between the first and the last columns, by 1 to 15.
-        for shift in [None, Some(0), Some(4), Some(12), Some(1), Some(15)] {
+        for shift in [None, Some(0), Some(4), Some(8), Some(12), Some(1), Some(15)] {
             FORCED_SHIFT.with(|s| s.set(shift));
             for &(m, k, n) in shapes.iter().filter(|s| shift.is_none() || s.2 % NR == 0) {
                 // b plain, and b as wᵀ (a linear layer's weight, its lines along k, packed by transposes)
@@ -1410,12 +1415,15 @@ mod tests {
             bits(&matmul(&p, &v.contiguous().unwrap()).unwrap()),
         );
         // P @ V (N = 32, six items, b a view) also with panel 0 split (`column_shift`).
-        for shift in [None, Some(4), Some(15)] {
+        for path in paths() {
+            let op = MatMul { path };
+            assert_eq!(bits(&q.apply_op2_no_bwd(&k.t().unwrap(), &op).unwrap()), want.0, "{path:?}");
+            assert_eq!(bits(&at.t().unwrap().apply_op2_no_bwd(&g, &op).unwrap()), want.1, "{path:?}");
+        }
+        for shift in [None, Some(4), Some(8), Some(15)] {
             FORCED_SHIFT.with(|s| s.set(shift));
             for path in paths() {
                 let op = MatMul { path };
-                assert_eq!(bits(&q.apply_op2_no_bwd(&k.t().unwrap(), &op).unwrap()), want.0, "{path:?}");
-                assert_eq!(bits(&at.t().unwrap().apply_op2_no_bwd(&g, &op).unwrap()), want.1, "{path:?}");
                 assert_eq!(bits(&p.apply_op2_no_bwd(&v, &op).unwrap()), want.2, "{path:?}, shift {shift:?}");
             }
         }
@@ -1424,11 +1432,18 @@ mod tests {
 
     #[test]
     fn the_column_shift_puts_each_full_panel_on_a_line() {
-        // An output 16 bytes past a line: panel 0 takes 12 columns, panel 1 starts on the next line.
+        // An output 16, 32 or 48 bytes past a line: panel 0 takes 12, 8 or 4 columns, and every
+        // row of every panel after it starts on a line (panel q at column q·NR − shift).
+        let n = 64;
+        for (at, want) in [(0x1010, 4), (0x1020, 8), (0x1030, 12)] {
+            let out = at as *const f32;
+            let shift = column_shift(out, n, true);
+            assert_eq!(shift, want);
+            for (row, q) in (0..3).flat_map(|r| (1..n / NR).map(move |q| (r, q))) {
+                assert_eq!((at + 4 * (row * n + q * NR - shift)) % 64, 0, "row {row}, panel {q}");
+            }
+        }
         let out = 0x1010 as *const f32;
-        let shift = column_shift(out, 32, true);
-        assert_eq!(shift, 4);
-        assert_eq!((out as usize + 4 * (NR - shift)) % 64, 0);
         // On a line, unasked, or rows that start at different places in a line: no shift.
         assert_eq!(column_shift(0x1040 as *const f32, 32, true), 0);
         assert_eq!(column_shift(out, 32, false), 0);
@@ -1499,7 +1514,7 @@ mod tests {
         // N = 32 with panel 0 split (its last columns widened on their own): the same rounding.
         let b = random(&[40, 32], 7).to_dtype(DType::BF16).unwrap();
         let wide = matmul(&a.to_dtype(DType::F32).unwrap(), &b.to_dtype(DType::F32).unwrap()).unwrap();
-        for shift in [4, 12] {
+        for shift in [4, 8, 12] {
             FORCED_SHIFT.with(|s| s.set(Some(shift)));
             for path in paths() {
                 let out = a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap();
