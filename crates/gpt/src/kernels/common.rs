@@ -58,13 +58,7 @@ pub(super) const fn per_line<T>() -> usize {
 /// the end of a buffer: it is never read).
 #[inline(always)]
 pub(super) fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing into the program and never faults.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+    prefetch_into::<true, T>(p)
 }
 
 /// [`prefetch`] into L2, not L1 (the T1 hint), for lines wanted some
@@ -72,10 +66,16 @@ pub(super) fn prefetch<T>(p: *const T) {
 /// at hand.
 #[inline(always)]
 pub(super) fn prefetch_l2<T>(p: *const T) {
+    prefetch_into::<false, T>(p)
+}
+
+#[inline(always)]
+fn prefetch_into<const L1: bool, T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch reads nothing into the program and never faults.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast())
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+        if L1 { _mm_prefetch::<_MM_HINT_T0>(p.cast()) } else { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;

@@ -611,30 +611,17 @@ impl Sweep {
             if !prefetch_panels {
                 return; // a and b stay in L2 (or, rows first, all of b does)
             }
-            let lines = NR * kb / per_line::<f32>();
-            let share = lines.div_ceil(ps.len());
             for q in next.start..next.end.min(qs.end) {
-                let panel = bpanel(q);
-                let from = (row_panels.start - ps.start) * share;
-                for l in from..((row_panels.end - ps.start) * share).min(lines) {
-                    prefetch_l2(panel.as_ptr().wrapping_add(l * per_line::<f32>()));
-                }
+                shares_to_l2(bpanel(q), row_panels.start - ps.start..row_panels.end - ps.start, ps.len());
             }
         };
         // The block of a the next sweep reads (`next_a`: the AVX2 path's 6 × 16 tiles alone, one
-        // call per tile), likewise, a share per tile of this sweep's ps.len() × qs.len(): every
-        // line it touches, counted from the line holding its first element.
+        // call per tile), likewise, a share per tile of this sweep's ps.len() × qs.len().
         debug_assert!(next_a.is_empty() || tiles.avx512.is_none(), "a's share counts one 6 × 16 tile per unit");
-        let skew = next_a.as_ptr() as usize % 64 / 4;
-        let first_line = next_a.as_ptr().wrapping_sub(skew);
-        let a_lines = if next_a.is_empty() { 0 } else { (skew + next_a.len()).div_ceil(per_line::<f32>()) };
-        let a_share = a_lines.div_ceil((ps.len() * qs.len()).max(1));
         let mut a_done = 0;
         let mut prefetch_a = || {
-            for l in a_done..(a_done + a_share).min(a_lines) {
-                prefetch_l2(first_line.wrapping_add(l * per_line::<f32>()));
-            }
-            a_done += a_share;
+            shares_to_l2(next_a, a_done..a_done + 1, ps.len() * qs.len());
+            a_done += 1;
         };
         let mut q = qs.start;
         while q < qs.end {
@@ -686,6 +673,18 @@ impl Sweep {
             }
             q += 1;
         }
+    }
+}
+
+/// Asks for shares `which` of `of` equal shares of the lines `s` touches
+/// (counted from the line holding its first element) into L2: a hint.
+fn shares_to_l2(s: &[f32], which: std::ops::Range<usize>, of: usize) {
+    let skew = s.as_ptr() as usize % 64 / 4;
+    let lines = if s.is_empty() { 0 } else { (skew + s.len()).div_ceil(per_line::<f32>()) };
+    let share = lines.div_ceil(of.max(1));
+    let first = s.as_ptr().wrapping_sub(skew);
+    for l in which.start * share..(which.end * share).min(lines) {
+        prefetch_l2(first.wrapping_add(l * per_line::<f32>()));
     }
 }
 
@@ -967,11 +966,14 @@ fn in_place_or_edge(
 /// the AVX-512 tiles (two lines per row) gained nothing at 1024³ and lost
 /// their 32-wide tiles beside the split panel.
 fn column_shift(out: *const f32, n: usize, align: bool) -> usize {
+    if !n.is_multiple_of(NR) {
+        return 0;
+    }
     #[cfg(test)]
     if let Some(shift) = FORCED_SHIFT.with(|s| s.get()) {
-        return if n.is_multiple_of(NR) { shift } else { 0 };
+        return shift;
     }
-    if align && n.is_multiple_of(NR) { out as usize % 64 / 4 } else { 0 }
+    if align { out as usize % 64 / 4 } else { 0 }
 }
 
 /// `len` elements of `v`'s spare capacity (at least `len` + 15), starting on a 64-byte line.
@@ -1190,11 +1192,11 @@ unsafe fn quad_avx512_inner(
         // every pair of row panels, and the hardware's prefetchers did not keep up: 1024³ ran 6%
         // faster with it on an Intel Xeon (model 167), the tiny and small preset's products within 1%.
         for p in 0..k {
-            _mm_prefetch::<_MM_HINT_T0>(bp0.wrapping_add((p + 8) * NR).cast());
-            _mm_prefetch::<_MM_HINT_T0>(bp1.wrapping_add((p + 8) * NR).cast());
+            prefetch(bp0.wrapping_add((p + 8) * NR));
+            prefetch(bp1.wrapping_add((p + 8) * NR));
             if p % 2 == 0 {
-                _mm_prefetch::<_MM_HINT_T0>(ap0.wrapping_add(p * MR + 96).cast());
-                _mm_prefetch::<_MM_HINT_T0>(ap1.wrapping_add(p * MR + 96).cast());
+                prefetch(ap0.wrapping_add(p * MR + 96));
+                prefetch(ap1.wrapping_add(p * MR + 96));
             }
             let (b0, b1) = (_mm512_loadu_ps(bp0.add(p * NR)), _mm512_loadu_ps(bp1.add(p * NR)));
             for r in 0..MR {
