@@ -24,7 +24,8 @@
 //! not BLIS's L1-sized `kc`, which measured slower at the lessons' shapes on
 //! a Zen 3 — but faster for the AVX2 tiles on an Intel core, which take it:
 //! [`Blocks::l1_resident`]). Where one packed k-block of all of `b` fits in
-//! half of L2, the tiles take twelve rows (AVX-512) and `a`'s lines run
+//! half of L2 (the k-blocks made shallower to fit, down to 192 steps, if
+//! they must), the tiles take twelve rows (AVX-512) and `a`'s lines run
 //! along k, the loops run rows first, each pair of row panels of `a` packed
 //! just before its tiles use it (see `products`).
 //! Blocking the contraction does not split the chain: each `kc`-block
@@ -167,7 +168,8 @@ fn refuse(line: &str) -> ! {
 /// an output of at most `small_out` bytes, `kc_small` steps instead. Where
 /// one packed k-block of all of `b` takes at most `rows_first_b` bytes (and
 /// the tiles take twelve rows, and `a`'s lines run along k), the loops run
-/// rows first (see `products`).
+/// rows first (see `products`), in k-blocks made shallower to fit where
+/// `rows_first_kc_min` allows ([`Blocks::rows_first_kc`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Blocks {
     pub kc: usize,
@@ -176,6 +178,10 @@ pub struct Blocks {
     pub kc_small: usize,
     pub small_out: usize,
     pub rows_first_b: usize,
+    /// Where one k-block of all of `b` would outgrow `rows_first_b`, the
+    /// shallowest k-block rows first may take instead, to fit it (0: never
+    /// shrink; see [`Blocks::rows_first_kc`]).
+    pub rows_first_kc_min: usize,
     /// Bytes that can be counted on to stay in L2 (half of it). Beyond
     /// them, on the AVX2 path an output's column panels follow its 64-byte
     /// lines (see `column_shift`), and packed operands have each sweep ask
@@ -200,9 +206,10 @@ impl Blocks {
         let mc = ((l3 / 4 / (4 * kc)) / MR * MR).max(MR);
         let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
         let kc_small = (l1 / 2 / (4 * NR)).clamp(64, kc);
-        // Rows first where one packed k-block of all of b fits in half of L2 (measured on an
-        // Intel Xeon; see `products`).
-        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2, in_l2: l2 / 2 }
+        // Rows first where one packed k-block of all of b fits in half of L2, in k-blocks down
+        // to 192 steps if it must (measured on an Intel Xeon; see `products`).
+        let (small_out, rows_first_b, in_l2) = (l2 / 2, l2 / 2, l2 / 2);
+        Blocks { kc, mc, nc, kc_small, small_out, rows_first_b, rows_first_kc_min: 192, in_l2 }
     }
     // ANCHOR_END: blocks
 
@@ -211,7 +218,7 @@ impl Blocks {
     /// sweeps' prefetches run at every size (the tests' forced blocks rely
     /// on it).
     pub fn fixed(kc: usize, mc: usize, nc: usize) -> Blocks {
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, in_l2: 0 }
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, rows_first_kc_min: 0, in_l2: 0 }
     }
 
     /// The k-block for a contraction of `k` into an `m` × `n` output: the
@@ -221,6 +228,21 @@ impl Blocks {
         let kc = if 4 * m * n <= self.small_out { self.kc_small } else { self.kc };
         let blocks = k.div_ceil(kc.max(1));
         k.div_ceil(blocks.max(1))
+    }
+
+    /// The k-block of a product that could run rows first, against `cols`
+    /// packed columns of `b`, whose k-block would otherwise be `kc`: `kc`
+    /// where one packed k-block of all of `b` fits in `rows_first_b`; else
+    /// the fewest equal blocks that fit, if at least `rows_first_kc_min`
+    /// deep; else none (the product runs columns first).
+    pub fn rows_first_kc(&self, k: usize, cols: usize, kc: usize) -> Option<usize> {
+        let fits = |kc: usize| 4 * cols * kc <= self.rows_first_b;
+        if fits(kc) {
+            return Some(kc);
+        }
+        let most = (self.rows_first_b / (4 * cols).max(1)).max(1);
+        let kc = k.div_ceil(k.div_ceil(most));
+        (self.rows_first_kc_min > 0 && kc >= self.rows_first_kc_min && fits(kc)).then_some(kc)
     }
 
     /// The blocks `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets, if set (`mc`, `nc`
@@ -253,7 +275,7 @@ impl Blocks {
         let kc = (l1 / 2 / (4 * NR)).clamp(64, 1 << 14);
         let mc = ((l2 / 4 / (4 * kc)) / MR * MR).max(MR);
         let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, in_l2: l2 / 2 }
+        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, rows_first_kc_min: 0, in_l2: l2 / 2 }
     }
 
     /// The blocks of the path in use on this CPU ([`Blocks::for_path`]).
@@ -266,9 +288,10 @@ impl Blocks {
     /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::l1_resident`]
     /// for the AVX2 tiles on an Intel core, else by [`Blocks::from_caches`].
     /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets the three sizes instead, for every
-    /// path and output size (no `kc_small`; the thresholds `rows_first_b`
-    /// and `in_l2` stay the rule's, so which products run rows first follows
-    /// KC, and MC and NC play no part in those, and the column shift and the
+    /// path and output size (no `kc_small`, and KC is never made shallower
+    /// to run rows first; the thresholds `rows_first_b` and `in_l2` stay the
+    /// rule's, so which products run rows first follows KC, and MC and NC
+    /// play no part in those, and the column shift and the
     /// sweeps' prefetches apply where they would), to measure others: the
     /// bits are the same.
     pub fn for_path(isa: Isa) -> Blocks {
@@ -423,8 +446,16 @@ fn products<T: Copy + 'static>(
     // AVX-512 (an Intel Xeon, model 167). Only where the tiles take twelve rows (AVX-512: with six,
     // b is swept twice as often, and the AVX2 path's tiny products ran 3-8% slower) and a's lines
     // run along k (x, g; a transposed gᵀ, packed two panels at a time, lost 2-3%).
-    let rows_first =
-        tiles.avx512.is_some() && a.col_stride == 1 && a.row_stride != 1 && 4 * np * NR * kc <= blocks.rows_first_b;
+    // Where all of b outgrows that, rows first still runs, in k-blocks shallow enough that one of
+    // all of b fits (down to 192 steps): on an Intel Xeon (model 167), AVX-512, 1024³ (k-blocks of
+    // 256) ran 5% faster, the small preset's K = 1152 and 1536 into N = 384 (576, 512) 2-3%, and
+    // 1024 × 384 × 1152 (192) 1-4%; 1024 × 384 × 1536 (128) gained nothing. Each pair of a's row
+    // panels is then read from L1, where columns first streams it from L2 or L3 beside b's panels.
+    let rows_first_kc = match tiles.avx512.is_some() && a.col_stride == 1 && a.row_stride != 1 {
+        true => blocks.rows_first_kc(k, np * NR, kc),
+        false => None,
+    };
+    let (rows_first, kc) = (rows_first_kc.is_some(), rows_first_kc.unwrap_or(kc));
     #[cfg(test)]
     ROWS_FIRST_RUN.with(|n| n.set(n.get() + rows_first as usize));
     // Nothing is zeroed first: the first k-block's tiles store every element
@@ -1330,6 +1361,11 @@ mod tests {
                         Blocks { rows_first_b: usize::MAX, ..this_cpu },
                     ]);
                     blocks.extend(small.map(|b| Blocks { rows_first_b: usize::MAX, ..b }));
+                    // Rows first in k-blocks shrunk to fit b's k-block in 19,200 bytes (75 steps of
+                    // 64 columns: 30 × 300 × 50 in four k-blocks, 13 × 1536 × 33 in sixteen).
+                    let shrunk =
+                        Blocks { rows_first_b: 4 * 64 * 75, rows_first_kc_min: 8, ..Blocks::fixed(1 << 14, 18, 48) };
+                    blocks.push(shrunk);
                 }
                 blocks.into_iter().map(move |b| Path::Forced(isa, b))
             })
@@ -1465,6 +1501,7 @@ mod tests {
                 kc_small: 256,
                 small_out: 256 << 10,
                 rows_first_b: 256 << 10,
+                rows_first_kc_min: 192,
                 in_l2: 256 << 10
             }
         );
@@ -1482,10 +1519,28 @@ mod tests {
         let intel = Blocks::l1_resident(48 << 10, 2 << 20, 105 << 20);
         assert_eq!((intel.kc, intel.mc, intel.kc_for(1536, 1024, 1024)), (384, 336, 384));
         assert_eq!((4 * intel.kc * NR, 4 * intel.mc * intel.kc), ((48 << 10) / 2, 516_096));
+        // Rows first (a Xeon's 2 MiB L2: all of b's k-block in 1 MiB): 1024 × 1536 × 384 in
+        // k-blocks of 512, 1024³ of 256; 1024 × 384 × 1536 not (k-blocks of 128 < 192).
+        let xeon = Blocks::from_caches(48 << 10, 2 << 20, 105 << 20);
+        let rows_first = |k, n| xeon.rows_first_kc(k, n, xeon.kc_for(k, 1024, n));
+        assert_eq!(
+            (rows_first(1536, 384), rows_first(1024, 1024), rows_first(384, 1536)),
+            (Some(512), Some(256), None)
+        );
+        assert_eq!((rows_first(384, 1152), rows_first(512, 128)), (Some(192), Some(256)));
         let tiny = Blocks::from_caches(1, 1, 1);
         assert_eq!(
             tiny,
-            Blocks { kc: 64, mc: MR, nc: NR, kc_small: 64, small_out: 0, rows_first_b: 0, in_l2: 0 },
+            Blocks {
+                kc: 64,
+                mc: MR,
+                nc: NR,
+                kc_small: 64,
+                small_out: 0,
+                rows_first_b: 0,
+                rows_first_kc_min: 192,
+                in_l2: 0
+            },
             "at least one tile"
         );
     }
