@@ -208,8 +208,7 @@ impl Blocks {
         let kc_small = (l1 / 2 / (4 * NR)).clamp(64, kc);
         // Rows first where one packed k-block of all of b fits in half of L2, in k-blocks down
         // to 192 steps if it must (measured on an Intel Xeon; see `products`).
-        let (small_out, rows_first_b, in_l2) = (l2 / 2, l2 / 2, l2 / 2);
-        Blocks { kc, mc, nc, kc_small, small_out, rows_first_b, rows_first_kc_min: 192, in_l2 }
+        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2, rows_first_kc_min: 192, in_l2: l2 / 2 }
     }
     // ANCHOR_END: blocks
 
@@ -234,14 +233,14 @@ impl Blocks {
     /// packed columns of `b`, whose k-block would otherwise be `kc`: `kc`
     /// where one packed k-block of all of `b` fits in `rows_first_b`; else
     /// the fewest equal blocks that fit, if at least `rows_first_kc_min`
-    /// deep; else none (the product runs columns first).
+    /// deep (and that is not 0); else none (the product runs columns first).
     pub fn rows_first_kc(&self, k: usize, cols: usize, kc: usize) -> Option<usize> {
         let fits = |kc: usize| 4 * cols * kc <= self.rows_first_b;
         if fits(kc) {
             return Some(kc);
         }
-        let most = (self.rows_first_b / (4 * cols).max(1)).max(1);
-        let kc = k.div_ceil(k.div_ceil(most));
+        let most = (self.rows_first_b / (4 * cols)).max(1); // cols > 0 here: no columns always fit
+        let kc = k.div_ceil(k.div_ceil(most).max(1));
         (self.rows_first_kc_min > 0 && kc >= self.rows_first_kc_min && fits(kc)).then_some(kc)
     }
 
@@ -327,8 +326,15 @@ impl Blocks {
         });
         let rule =
             if isa == Isa::Avx2 && intel { Blocks::l1_resident(l1, l2, l3) } else { Blocks::from_caches(l1, l2, l3) };
-        // The knob sets the sizes; the loops' order, the column layout and the prefetches stay the rule's.
-        asked.map_or(rule, |asked| Blocks { rows_first_b: rule.rows_first_b, in_l2: rule.in_l2, ..asked })
+        // The knob sets the sizes; the rows-first threshold, the column layout and the prefetches stay
+        // the rule's, but KC is never made shallower to run rows first.
+        let knob = |asked: Blocks| Blocks {
+            rows_first_b: rule.rows_first_b,
+            rows_first_kc_min: 0,
+            in_l2: rule.in_l2,
+            ..asked
+        };
+        asked.map_or(rule, knob)
     }
 }
 
@@ -449,12 +455,11 @@ fn products<T: Copy + 'static>(
     // Where all of b outgrows that, rows first still runs, in k-blocks shallow enough that one of
     // all of b fits (down to 192 steps): on an Intel Xeon (model 167), AVX-512, 1024³ (k-blocks of
     // 256) ran 5% faster, the small preset's K = 1152 and 1536 into N = 384 (576, 512) 2-3%, and
-    // 1024 × 384 × 1152 (192) 1-4%; 1024 × 384 × 1536 (128) gained nothing. Each pair of a's row
-    // panels is then read from L1, where columns first streams it from L2 or L3 beside b's panels.
-    let rows_first_kc = match tiles.avx512.is_some() && a.col_stride == 1 && a.row_stride != 1 {
-        true => blocks.rows_first_kc(k, np * NR, kc),
-        false => None,
-    };
+    // 1024 × 384 × 1152 (192) 1-5% (two sets of runs); 1024 × 384 × 1536 (128) gained nothing.
+    // Each pair of a's row panels is then read from L1, where columns first streams it from L2 or L3
+    // beside b's panels.
+    let twelve_rows_along_k = tiles.avx512.is_some() && a.col_stride == 1 && a.row_stride != 1;
+    let rows_first_kc = if twelve_rows_along_k { blocks.rows_first_kc(k, np * NR, kc) } else { None };
     let (rows_first, kc) = (rows_first_kc.is_some(), rows_first_kc.unwrap_or(kc));
     #[cfg(test)]
     ROWS_FIRST_RUN.with(|n| n.set(n.get() + rows_first as usize));
@@ -1341,6 +1346,11 @@ mod tests {
         (0..m * n).map(|e| (0..k).fold(0f32, |acc, kk| a[(e / n) * k + kk].mul_add(b[kk * n + e % n], acc))).collect()
     }
 
+    /// Rows first in k-blocks shrunk to fit all of b's k-block in 19,200 bytes (75 steps of 64 columns).
+    fn shrunk() -> Blocks {
+        Blocks { rows_first_b: 4 * 64 * 75, rows_first_kc_min: 8, ..Blocks::fixed(1 << 14, 18, 48) }
+    }
+
     /// Every path the CPU runs, each with this CPU's blocks and with blocks
     /// forced small (so that edge blocks and several k-blocks are exercised).
     fn paths() -> Vec<Path> {
@@ -1361,11 +1371,9 @@ mod tests {
                         Blocks { rows_first_b: usize::MAX, ..this_cpu },
                     ]);
                     blocks.extend(small.map(|b| Blocks { rows_first_b: usize::MAX, ..b }));
-                    // Rows first in k-blocks shrunk to fit b's k-block in 19,200 bytes (75 steps of
-                    // 64 columns: 30 × 300 × 50 in four k-blocks, 13 × 1536 × 33 in sixteen).
-                    let shrunk =
-                        Blocks { rows_first_b: 4 * 64 * 75, rows_first_kc_min: 8, ..Blocks::fixed(1 << 14, 18, 48) };
-                    blocks.push(shrunk);
+                    // Rows first in shrunk k-blocks: 30 × 300 × 50 in four of 75, 13 × 1536 × 33 in
+                    // sixteen of 96, 64 × 128 × 65 in 43, 43 and 42 (`blocks_follow_the_caches`).
+                    blocks.push(shrunk());
                 }
                 blocks.into_iter().map(move |b| Path::Forced(isa, b))
             })
@@ -1527,7 +1535,12 @@ mod tests {
             (rows_first(1536, 384), rows_first(1024, 1024), rows_first(384, 1536)),
             (Some(512), Some(256), None)
         );
+        // 1024 × 384 × 1152: exactly on the floor; 1024 × 512 × 128, a small output: its k-blocks fit as they are.
         assert_eq!((rows_first(384, 1152), rows_first(512, 128)), (Some(192), Some(256)));
+        // The tests' shrunk blocks (`paths`): several k-blocks rows first; k = 0 never divides by 0.
+        let got = [(300, 64, 300), (1536, 48, 1536), (128, 80, 128), (0, 640, 64)]
+            .map(|(k, cols, kc)| shrunk().rows_first_kc(k, cols, kc));
+        assert_eq!(got, [Some(75), Some(96), Some(43), None]);
         let tiny = Blocks::from_caches(1, 1, 1);
         assert_eq!(
             tiny,
