@@ -239,7 +239,7 @@ impl Blocks {
         if fits(kc) {
             return Some(kc);
         }
-        let most = (self.rows_first_b / (4 * cols)).max(1); // cols > 0 here: no columns always fit
+        let most = (self.rows_first_b / (4 * cols)).max(1); // cols > 0 here: zero columns fit above
         let kc = k.div_ceil(k.div_ceil(most).max(1));
         (self.rows_first_kc_min > 0 && kc >= self.rows_first_kc_min && fits(kc)).then_some(kc)
     }
@@ -287,12 +287,11 @@ impl Blocks {
     /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::l1_resident`]
     /// for the AVX2 tiles on an Intel core, else by [`Blocks::from_caches`].
     /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets the three sizes instead, for every
-    /// path and output size (no `kc_small`, and KC is never made shallower
-    /// to run rows first; the thresholds `rows_first_b` and `in_l2` stay the
-    /// rule's, so which products run rows first follows KC, and MC and NC
-    /// play no part in those, and the column shift and the
-    /// sweeps' prefetches apply where they would), to measure others: the
-    /// bits are the same.
+    /// path and output size, to measure others (the bits are the same): no
+    /// `kc_small`, and KC is never made shallower to run rows first. The
+    /// thresholds `rows_first_b` and `in_l2` stay the rule's, so which
+    /// products run rows first follows KC alone, and the column shift and
+    /// the sweeps' prefetches apply where they would.
     pub fn for_path(isa: Isa) -> Blocks {
         use std::sync::OnceLock;
         static CPU: OnceLock<(Option<Blocks>, [usize; 3], bool)> = OnceLock::new();
