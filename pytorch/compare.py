@@ -261,7 +261,7 @@ def matmul_lines(machine, a):
         f"torch.matmul ({'MKL held to AVX2' if a.isa == 'avx2' else 'MKL, its own choice of path'}) beside the one in use "
         f"({machine['path']}); the CPU's FMA peak at the highest clock measured after each round's rates "
         f"({machine['fma_peaks']['mhz']:,.0f} MHz, by a chain of dependent additions; /proc/cpuinfo says "
-        f"{machine['fma_peaks']['cpuinfo_mhz']:,.0f}): "
+        f"{machine['fma_peaks'].get('cpuinfo_mhz', 0):,.0f}): "
         + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in machine["fma_peaks"]["peaks"].items()) + ".",
         "",
         "| product | M × K × N | " + " | ".join(f"ours, {p}" for p in paths) + " | torch.matmul | ours / torch |",
