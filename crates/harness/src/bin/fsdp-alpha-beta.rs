@@ -40,7 +40,7 @@ struct Args {
     #[arg(long, default_value_t = 41, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     reps: u32,
     /// This machine's single-thread matmul rate in FLOP/s (`fsdp-bench
-    /// --matmul-only`), for the size of unit that hides its gather.
+    /// --peak-only`), for the size of unit that hides its gather.
     #[arg(long, value_name = "FLOPS")]
     matmul_flops: Option<f64>,
 }
