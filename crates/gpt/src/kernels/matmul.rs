@@ -37,10 +37,11 @@
 //! operand may come from L3 or memory, where an op before left it. Where
 //! the packed `a` and `b` outgrow half of L2, each column's sweep (columns
 //! first) asks for the next column panel of `b` (and on the AVX2 path the
-//! next block of `a`) into L2. The 12 × 32 AVX-512 tile always asks for
-//! its own panels' next lines. On the AVX2 path the column panels of a
-//! large output follow its 64-byte lines (`column_shift`), so that no row
-//! of a tile straddles two.
+//! next block of `a`) into L2 — except on an AMD core's AVX2 path, where
+//! the asks measured slower ([`Blocks::rule`]). The 12 × 32 AVX-512 tile
+//! always asks for its own panels' next lines. On the AVX2 path the column
+//! panels of a large output follow its 64-byte lines (`column_shift`), so
+//! that no row of a tile straddles two.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
@@ -185,8 +186,11 @@ pub struct Blocks {
     /// Bytes that can be counted on to stay in L2 (half of it). Beyond
     /// them, on the AVX2 path an output's column panels follow its 64-byte
     /// lines (see `column_shift`), and packed operands have each sweep ask
-    /// for the next panels (see `Sweep`).
+    /// for the next panels (see `Sweep`) where `ask_ahead`.
     pub in_l2: usize,
+    /// Whether sweeps over packed operands beyond `in_l2` ask for the next
+    /// panels into L2: not on an AMD core's AVX2 path ([`Blocks::rule`]).
+    pub ask_ahead: bool,
 }
 
 impl Blocks {
@@ -208,7 +212,8 @@ impl Blocks {
         let kc_small = (l1 / 2 / (4 * NR)).clamp(64, kc);
         // Rows first where one packed k-block of all of b fits in half of L2, in k-blocks down
         // to 192 steps if it must (measured on an Intel Xeon; see `products`).
-        Blocks { kc, mc, nc, kc_small, small_out: l2 / 2, rows_first_b: l2 / 2, rows_first_kc_min: 192, in_l2: l2 / 2 }
+        let (small_out, rows_first_b, in_l2) = (l2 / 2, l2 / 2, l2 / 2);
+        Blocks { kc, mc, nc, kc_small, small_out, rows_first_b, rows_first_kc_min: 192, in_l2, ask_ahead: true }
     }
     // ANCHOR_END: blocks
 
@@ -217,7 +222,17 @@ impl Blocks {
     /// sweeps' prefetches run at every size (the tests' forced blocks rely
     /// on it).
     pub fn fixed(kc: usize, mc: usize, nc: usize) -> Blocks {
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, rows_first_kc_min: 0, in_l2: 0 }
+        Blocks {
+            kc,
+            mc,
+            nc,
+            kc_small: kc,
+            small_out: 0,
+            rows_first_b: 0,
+            rows_first_kc_min: 0,
+            in_l2: 0,
+            ask_ahead: true,
+        }
     }
 
     /// The k-block for a contraction of `k` into an `m` × `n` output: the
@@ -274,7 +289,26 @@ impl Blocks {
         let kc = (l1 / 2 / (4 * NR)).clamp(64, 1 << 14);
         let mc = ((l2 / 4 / (4 * kc)) / MR * MR).max(MR);
         let nc = ((l3 / 4 / (4 * kc)) / NR * NR).max(NR);
-        Blocks { kc, mc, nc, kc_small: kc, small_out: 0, rows_first_b: 0, rows_first_kc_min: 0, in_l2: l2 / 2 }
+        Blocks { in_l2: l2 / 2, ..Blocks::fixed(kc, mc, nc) }
+    }
+
+    /// The rule for `isa`'s tiles on a CPU with these cache sizes (bytes),
+    /// from Intel (`intel`) or not: [`Blocks::l1_resident`] for the AVX2
+    /// tiles on an Intel core; else [`Blocks::from_caches`], whose sweeps on
+    /// the AVX2 path do not ask for the next panels (`ask_ahead`). Those asks
+    /// were measured on an Intel Xeon, where they paid (the module's comment);
+    /// on a Zen 3 (AMD EPYC, family 25, model 1) they cost: without them, in
+    /// 30 rounds of `fsdp-bench --matmul-only` alternating the two kernels,
+    /// the median per-round ratio was 1.04–1.10 at the tiny preset's nine
+    /// products, 1.00–1.05 at the small preset's, 1.00 at 1024³ (an earlier
+    /// set: 1.02–1.08, 1.02–1.11, 0.98); lesson 01 at one rank within its
+    /// noise (the book's performance appendix).
+    pub fn rule(isa: Isa, intel: bool, [l1, l2, l3]: [usize; 3]) -> Blocks {
+        match (isa, intel) {
+            (Isa::Avx2, true) => Blocks::l1_resident(l1, l2, l3),
+            (Isa::Avx2, false) => Blocks { ask_ahead: false, ..Blocks::from_caches(l1, l2, l3) },
+            _ => Blocks::from_caches(l1, l2, l3),
+        }
     }
 
     /// The blocks of the path in use on this CPU ([`Blocks::for_path`]).
@@ -284,8 +318,9 @@ impl Blocks {
 
     /// The blocks `isa`'s tiles take on this CPU: from its cache sizes
     /// (/sys/devices/system/cpu/cpu0/cache: L1d, L2, L3, read once; 32 KiB,
-    /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::l1_resident`]
-    /// for the AVX2 tiles on an Intel core, else by [`Blocks::from_caches`].
+    /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::rule`]:
+    /// [`Blocks::l1_resident`] for the AVX2 tiles on an Intel core, else
+    /// [`Blocks::from_caches`] (without the sweeps' asks on the AVX2 path).
     /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets the three sizes instead, for every
     /// path and output size, to measure others (the bits are the same): no
     /// `kc_small`, and KC is never made shallower to run rows first. The
@@ -323,14 +358,14 @@ impl Blocks {
             }
             (asked, [l1, l2, l3], intel)
         });
-        let rule =
-            if isa == Isa::Avx2 && intel { Blocks::l1_resident(l1, l2, l3) } else { Blocks::from_caches(l1, l2, l3) };
+        let rule = Blocks::rule(isa, intel, [l1, l2, l3]);
         // The knob sets the sizes; the rows-first threshold, the column layout and the prefetches stay
         // the rule's, but KC is never made shallower to run rows first.
         let knob = |asked: Blocks| Blocks {
             rows_first_b: rule.rows_first_b,
             rows_first_kc_min: 0,
             in_l2: rule.in_l2,
+            ask_ahead: rule.ask_ahead,
             ..asked
         };
         asked.map_or(rule, knob)
@@ -470,7 +505,7 @@ fn products<T: Copy + 'static>(
     // On the AVX2 path the column panels follow a large output's lines.
     let shift = column_shift(out.as_ptr(), n, isa == Isa::Avx2 && 4 * m * n > blocks.in_l2);
     // Whether a and b, packed, outgrow what stays in L2: then each sweep asks for the next panels.
-    let ahead = 4 * (mp * MR + np * NR) * k > blocks.in_l2;
+    let ahead = blocks.ask_ahead && 4 * (mp * MR + np * NR) * k > blocks.in_l2;
     // Both operands packed whole (rows first: b whole, a two row panels at a time), as
     // [k-block][panel][k][row or column]: the panel of k-block k0 that the tile reads is
     // contiguous, kb × MR or kb × NR. Each starts on a 64-byte line (malloc gives 16): a panel
@@ -590,9 +625,10 @@ struct Sweep {
     /// Prefetch the chains so far of the tiles two row panels below (columns first only: rows
     /// first reaches them after a whole sweep of b, by when L1 would have lost them).
     prefetch_chains: bool,
-    /// Ask for the next column panels of b into L2 (columns first, and only where a and b
-    /// outgrow half of L2: at the tiny preset's products they are in L2 already, and asking
-    /// only adds instructions; lesson 01 at one rank within 1% either way).
+    /// Ask for the next column panels of b into L2 (columns first, only where the rule asks,
+    /// `Blocks::ask_ahead`, and a and b outgrow half of L2: at the tiny preset's products, on
+    /// an Intel Xeon's 2 MiB L2, they are in L2 already, and asking only adds instructions;
+    /// lesson 01 at one rank within 1% either way).
     prefetch_panels: bool,
     m: usize,
     n: usize,
@@ -1509,7 +1545,8 @@ mod tests {
                 small_out: 256 << 10,
                 rows_first_b: 256 << 10,
                 rows_first_kc_min: 192,
-                in_l2: 256 << 10
+                in_l2: 256 << 10,
+                ask_ahead: true
             }
         );
         assert_eq!(b.mc % MR + b.nc % NR, 0);
@@ -1540,6 +1577,13 @@ mod tests {
         let got = [(300, 64, 300), (1536, 48, 1536), (128, 80, 128), (0, 640, 64)]
             .map(|(k, cols, kc)| shrunk().rows_first_kc(k, cols, kc));
         assert_eq!(got, [Some(75), Some(96), Some(43), None]);
+        // Which rule each path takes: BLIS's for the AVX2 tiles on an Intel core; the Zen 3's
+        // elsewhere, whose AVX2 sweeps (an AMD core's) do not ask for the next panels.
+        let zen3 = [32 << 10, 512 << 10, 32 << 20];
+        assert_eq!(Blocks::rule(Isa::Avx2, true, zen3), Blocks::l1_resident(32 << 10, 512 << 10, 32 << 20));
+        assert_eq!(Blocks::rule(Isa::Avx2, false, zen3), Blocks { ask_ahead: false, ..b });
+        assert_eq!((Blocks::rule(Isa::Avx512, false, zen3), Blocks::rule(Isa::Avx512, true, zen3)), (b, b));
+        assert_eq!(Blocks::rule(Isa::Portable, false, zen3), b);
         let tiny = Blocks::from_caches(1, 1, 1);
         assert_eq!(
             tiny,
@@ -1551,7 +1595,8 @@ mod tests {
                 small_out: 0,
                 rows_first_b: 0,
                 rows_first_kc_min: 192,
-                in_l2: 0
+                in_l2: 0,
+                ask_ahead: true
             },
             "at least one tile"
         );
