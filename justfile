@@ -14,8 +14,8 @@ export RAYON_NUM_THREADS := "1"
 export OMPI_MCA_odls_base_sigkill_timeout := "3"
 # libevent's poll backend, not epoll, in mpirun and the ranks' PMIx (Open MPI's
 # own events use poll already): epoll's race with a rank's sockets closing on
-# MPI_Abort now and then printed "[warn] Epoll MOD(1) on fd 25 failed …" after
-# a refused run's one error line (open-mpi/ompi#2004). Control traffic only.
+# MPI_Abort once printed "[warn] Epoll MOD(1) on fd 25 failed …" after a
+# stopped run's one error line (cf. open-mpi/ompi#2004). Control traffic only.
 export EVENT_NOEPOLL := "1"
 
 # List the recipes.

@@ -60,7 +60,7 @@ pub fn mpirun_command(package: &str, ranks: usize, args: &[&str], name: &str) ->
         // As the justfile: libevent's poll backend in mpirun and the ranks'
         // PMIx, not epoll, whose race with a rank's sockets closing on
         // MPI_Abort now and then adds a second stderr line ("[warn] Epoll
-        // MOD(1) on fd 25 failed …"; open-mpi/ompi#2004).
+        // MOD(1) on fd 25 failed …"; cf. open-mpi/ompi#2004).
         .env("EVENT_NOEPOLL", "1")
         .env("TMPDIR", &tmp);
     if !args.contains(&"--out") {

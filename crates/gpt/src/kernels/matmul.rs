@@ -37,8 +37,8 @@
 //! operand may come from L3 or memory, where an op before left it. Where
 //! the packed `a` and `b` outgrow half of L2, each column's sweep (columns
 //! first) asks for the next column panel of `b` (and on the AVX2 path the
-//! next block of `a`) into L2 — except on an AMD core's AVX2 path, where
-//! the asks measured slower ([`Blocks::rule`]). The 12 × 32 AVX-512 tile
+//! next block of `a`) into L2 — except on the AVX2 path of a core not
+//! Intel's, where the asks measured slower on a Zen 3 ([`Blocks::rule`]). The 12 × 32 AVX-512 tile
 //! always asks for its own panels' next lines. On the AVX2 path the column
 //! panels of a large output follow its 64-byte lines (`column_shift`), so
 //! that no row of a tile straddles two.
@@ -189,7 +189,7 @@ pub struct Blocks {
     /// for the next panels (see `Sweep`) where `ask_ahead`.
     pub in_l2: usize,
     /// Whether sweeps over packed operands beyond `in_l2` ask for the next
-    /// panels into L2: not on an AMD core's AVX2 path ([`Blocks::rule`]).
+    /// panels into L2: not on the AVX2 path of a core not Intel's ([`Blocks::rule`]).
     pub ask_ahead: bool,
 }
 
@@ -294,15 +294,18 @@ impl Blocks {
 
     /// The rule for `isa`'s tiles on a CPU with these cache sizes (bytes),
     /// from Intel (`intel`) or not: [`Blocks::l1_resident`] for the AVX2
-    /// tiles on an Intel core; else [`Blocks::from_caches`], whose sweeps on
-    /// the AVX2 path do not ask for the next panels (`ask_ahead`). Those asks
-    /// were measured on an Intel Xeon, where they paid (the module's comment);
-    /// on a Zen 3 (AMD EPYC, family 25, model 1) they cost: without them, in
-    /// 30 rounds of `fsdp-bench --matmul-only` alternating the two kernels,
-    /// the median per-round ratio was 1.04–1.10 at the tiny preset's nine
-    /// products, 1.00–1.05 at the small preset's, 1.00 at 1024³ (an earlier
-    /// set: 1.02–1.08, 1.02–1.11, 0.98); lesson 01 at one rank within its
-    /// noise (the book's performance appendix).
+    /// tiles on an Intel core; else [`Blocks::from_caches`], with `ask_ahead`
+    /// cleared on the AVX2 path: its sweeps do not ask for the next panels.
+    /// Those asks were measured on an Intel Xeon, where they paid (see
+    /// `products`' `after` and `Sweep::run`'s `prefetch_b`); on a Zen 3 (AMD
+    /// EPYC, family 25, model 1) they cost: in 30 rounds of `fsdp-bench
+    /// --matmul-only` alternating the two kernels, the median of each round's
+    /// rate without the asks over the rate with them was 1.04–1.10 at the
+    /// tiny preset's nine products, 1.00–1.05 at the small preset's, 1.00 at
+    /// 1024³ (an earlier set: 1.02–1.08, 1.02–1.11, 0.98); lesson 01 at one
+    /// rank moved within its noise (the book's performance appendix). Other
+    /// cores not Intel's (a Zen 4 or 5 held to AVX2 by `FSDP_MATMUL=avx2`,
+    /// say) take it unmeasured.
     pub fn rule(isa: Isa, intel: bool, [l1, l2, l3]: [usize; 3]) -> Blocks {
         match (isa, intel) {
             (Isa::Avx2, true) => Blocks::l1_resident(l1, l2, l3),
@@ -324,7 +327,7 @@ impl Blocks {
     /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets the three sizes instead, for every
     /// path and output size, to measure others (the bits are the same): no
     /// `kc_small`, and KC is never made shallower to run rows first. The
-    /// thresholds `rows_first_b` and `in_l2` stay the rule's, so which
+    /// thresholds `rows_first_b` and `in_l2`, and `ask_ahead`, stay the rule's, so which
     /// products run rows first follows KC alone, and the column shift and
     /// the sweeps' prefetches apply where they would.
     pub fn for_path(isa: Isa) -> Blocks {
@@ -506,6 +509,8 @@ fn products<T: Copy + 'static>(
     let shift = column_shift(out.as_ptr(), n, isa == Isa::Avx2 && 4 * m * n > blocks.in_l2);
     // Whether a and b, packed, outgrow what stays in L2: then each sweep asks for the next panels.
     let ahead = blocks.ask_ahead && 4 * (mp * MR + np * NR) * k > blocks.in_l2;
+    #[cfg(test)]
+    ASKED_AHEAD.with(|n| n.set(n.get() + ahead as usize));
     // Both operands packed whole (rows first: b whole, a two row panels at a time), as
     // [k-block][panel][k][row or column]: the panel of k-block k0 that the tile reads is
     // contiguous, kb × MR or kb × NR. Each starts on a 64-byte line (malloc gives 16): a panel
@@ -626,8 +631,8 @@ struct Sweep {
     /// first reaches them after a whole sweep of b, by when L1 would have lost them).
     prefetch_chains: bool,
     /// Ask for the next column panels of b into L2 (columns first, only where the rule asks,
-    /// `Blocks::ask_ahead`, and a and b outgrow half of L2: at the tiny preset's products, on
-    /// an Intel Xeon's 2 MiB L2, they are in L2 already, and asking only adds instructions;
+    /// `Blocks::ask_ahead`, and a and b outgrow half of L2: on an Intel Xeon's 2 MiB L2 most of
+    /// the tiny preset's products fit in half of it, where asking would only add instructions;
     /// lesson 01 at one rank within 1% either way).
     prefetch_panels: bool,
     m: usize,
@@ -1163,6 +1168,8 @@ thread_local! {
     static WIDE_TILES_RUN: std::cell::Cell<(usize, usize, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
     // How many products ran rows first: likewise.
     static ROWS_FIRST_RUN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    // How many products had their sweeps ask for the next panels (`Blocks::ask_ahead`): likewise.
+    static ASKED_AHEAD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     // A column shift the tests set in place of the output's own (`column_shift`).
     static FORCED_SHIFT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
@@ -1532,6 +1539,23 @@ mod tests {
     }
 
     #[test]
+    fn the_sweeps_ask_ahead_only_where_the_blocks_say() {
+        // Forced blocks count nothing as staying in L2 (`in_l2` 0): every product is beyond it.
+        let (a, b) = (random(&[30, 50], 1), random(&[50, 40], 2));
+        for isa in Isa::available() {
+            let asked = |ask_ahead: bool| {
+                let path = Path::Forced(isa, Blocks { ask_ahead, ..Blocks::fixed(64, 18, 48) });
+                let before = ASKED_AHEAD.with(|n| n.get());
+                let got = bits(&a.apply_op2_no_bwd(&b, &MatMul { path }).unwrap());
+                (ASKED_AHEAD.with(|n| n.get()) - before, got)
+            };
+            let ((with, bits_with), (without, bits_without)) = (asked(true), asked(false));
+            assert_eq!((with, without), (1, 0), "{isa:?}");
+            assert_eq!(bits_with, bits_without, "{isa:?}: a hint changed a value");
+        }
+    }
+
+    #[test]
     fn blocks_follow_the_caches() {
         // A Zen 3 core: 32 KiB L1d, 512 KiB L2, 32 MiB L3.
         let b = Blocks::from_caches(32 << 10, 512 << 10, 32 << 20);
@@ -1578,9 +1602,10 @@ mod tests {
             .map(|(k, cols, kc)| shrunk().rows_first_kc(k, cols, kc));
         assert_eq!(got, [Some(75), Some(96), Some(43), None]);
         // Which rule each path takes: BLIS's for the AVX2 tiles on an Intel core; the Zen 3's
-        // elsewhere, whose AVX2 sweeps (an AMD core's) do not ask for the next panels.
+        // elsewhere, whose AVX2 sweeps (a core not Intel's) do not ask for the next panels.
         let zen3 = [32 << 10, 512 << 10, 32 << 20];
         assert_eq!(Blocks::rule(Isa::Avx2, true, zen3), Blocks::l1_resident(32 << 10, 512 << 10, 32 << 20));
+        assert!(Blocks::rule(Isa::Avx2, true, zen3).ask_ahead);
         assert_eq!(Blocks::rule(Isa::Avx2, false, zen3), Blocks { ask_ahead: false, ..b });
         assert_eq!((Blocks::rule(Isa::Avx512, false, zen3), Blocks::rule(Isa::Avx512, true, zen3)), (b, b));
         assert_eq!(Blocks::rule(Isa::Portable, false, zen3), b);
