@@ -59,7 +59,7 @@ pub fn mpirun_command(package: &str, ranks: usize, args: &[&str], name: &str) ->
         .env("OMPI_MCA_odls_base_sigkill_timeout", "1")
         // As the justfile: libevent's poll backend in mpirun and the ranks'
         // PMIx, not epoll, whose race with a rank's sockets closing on
-        // MPI_Abort now and then adds a second stderr line ("[warn] Epoll
+        // MPI_Abort once, under CI's load, added a second stderr line ("[warn] Epoll
         // MOD(1) on fd 25 failed …"; cf. open-mpi/ompi#2004).
         .env("EVENT_NOEPOLL", "1")
         .env("TMPDIR", &tmp);

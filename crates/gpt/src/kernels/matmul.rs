@@ -507,10 +507,9 @@ fn products<T: Copy + 'static>(
     let mut out: Vec<f32> = Vec::with_capacity(len);
     // On the AVX2 path the column panels follow a large output's lines.
     let shift = column_shift(out.as_ptr(), n, isa == Isa::Avx2 && 4 * m * n > blocks.in_l2);
-    // Whether a and b, packed, outgrow what stays in L2: then each sweep asks for the next panels.
+    // Whether the rule asks ahead (`Blocks::ask_ahead`) and a and b, packed, outgrow what stays
+    // in L2: then each sweep (columns first) asks for the next panels.
     let ahead = blocks.ask_ahead && 4 * (mp * MR + np * NR) * k > blocks.in_l2;
-    #[cfg(test)]
-    ASKED_AHEAD.with(|n| n.set(n.get() + ahead as usize));
     // Both operands packed whole (rows first: b whole, a two row panels at a time), as
     // [k-block][panel][k][row or column]: the panel of k-block k0 that the tile reads is
     // contiguous, kb × MR or kb × NR. Each starts on a 64-byte line (malloc gives 16): a panel
@@ -659,6 +658,8 @@ impl Sweep {
         next_a: &[f32],
     ) {
         let Sweep { kb, load, prefetch_chains, prefetch_panels, m, n, shift, .. } = *self;
+        #[cfg(test)]
+        ASKED_AHEAD.with(|n| n.set(n.get() + (prefetch_panels || !next_a.is_empty()) as usize));
         let (ps, qs) = (self.ps.clone(), self.qs.clone());
         let col0 = |q: usize| (q * NR).saturating_sub(shift);
         let corner = |p: usize, q: usize| (p * MR) * n + col0(q);
@@ -1168,7 +1169,7 @@ thread_local! {
     static WIDE_TILES_RUN: std::cell::Cell<(usize, usize, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
     // How many products ran rows first: likewise.
     static ROWS_FIRST_RUN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    // How many products had their sweeps ask for the next panels (`Blocks::ask_ahead`): likewise.
+    // How many sweeps asked for the next panels of b or a (`Blocks::ask_ahead`): likewise.
     static ASKED_AHEAD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     // A column shift the tests set in place of the output's own (`column_shift`).
     static FORCED_SHIFT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
@@ -1540,6 +1541,7 @@ mod tests {
 
     #[test]
     fn the_sweeps_ask_ahead_only_where_the_blocks_say() {
+        // 30 × 50 × 40 in blocks of 18 rows and 48 columns: two row blocks, one column block.
         // Forced blocks count nothing as staying in L2 (`in_l2` 0): every product is beyond it.
         let (a, b) = (random(&[30, 50], 1), random(&[50, 40], 2));
         for isa in Isa::available() {
@@ -1550,7 +1552,7 @@ mod tests {
                 (ASKED_AHEAD.with(|n| n.get()) - before, got)
             };
             let ((with, bits_with), (without, bits_without)) = (asked(true), asked(false));
-            assert_eq!((with, without), (1, 0), "{isa:?}");
+            assert!(with > 0 && without == 0, "{isa:?}: sweeps that asked {with} with, {without} without");
             assert_eq!(bits_with, bits_without, "{isa:?}: a hint changed a value");
         }
     }
@@ -1602,7 +1604,7 @@ mod tests {
             .map(|(k, cols, kc)| shrunk().rows_first_kc(k, cols, kc));
         assert_eq!(got, [Some(75), Some(96), Some(43), None]);
         // Which rule each path takes: BLIS's for the AVX2 tiles on an Intel core; the Zen 3's
-        // elsewhere, whose AVX2 sweeps (a core not Intel's) do not ask for the next panels.
+        // elsewhere, whose AVX2 sweeps (on a core not Intel's) do not ask for the next panels.
         let zen3 = [32 << 10, 512 << 10, 32 << 20];
         assert_eq!(Blocks::rule(Isa::Avx2, true, zen3), Blocks::l1_resident(32 << 10, 512 << 10, 32 << 20));
         assert!(Blocks::rule(Isa::Avx2, true, zen3).ask_ahead);
