@@ -150,11 +150,7 @@ fn a_setup_failure_on_another_rank_is_one_line() {
         .arg(&bin)
         .args(["--steps", "1", "--data", "/no/such/file.txt", "--out"])
         .arg(&out)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("RAYON_NUM_THREADS", "1")
-        .env("OMPI_MCA_odls_base_sigkill_timeout", "1") // as common::mpirun_command
-        .env("EVENT_NOEPOLL", "1") // as common::mpirun_command
+        .envs(MPIRUN_ENV)
         .output()
         .unwrap();
     let (code, lines) = failure(&o);

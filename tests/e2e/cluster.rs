@@ -31,7 +31,7 @@ fn on_cluster(id: &str, slots: usize, script: &str, ck: &Path, out: &Path) -> Ou
         .env("CK", ck)
         .env("OUT", out)
         .env("TMPDIR", &dir)
-        .env("EVENT_NOEPOLL", "1") // as common::mpirun_command
+        .envs([NO_EPOLL])
         .env_remove("LD_LIBRARY_PATH") // cargo's, for the test binary: not for ip, tc and mpirun
         .output()
         .expect("bash runs");

@@ -35,6 +35,28 @@ pub fn out_dir(name: &str) -> PathBuf {
     d
 }
 
+/// As the justfile: libevent's poll backend in mpirun and the ranks' PMIx,
+/// not epoll, whose race with a rank's sockets closing on MPI_Abort once,
+/// under CI's load, added a second stderr line ("[warn] Epoll MOD(1) on fd
+/// 25 failed …"; cf. open-mpi/ompi#2004). Every test that checks an mpirun's
+/// stderr sets it.
+pub const NO_EPOLL: (&str, &str) = ("EVENT_NOEPOLL", "1");
+
+/// What every test's mpirun runs with: root allowed, one compute thread per
+/// rank, Open MPI's own teardown interval (not the justfile's 3 s: when a
+/// rank exits non-zero, mpirun sends the ranks it has not yet seen end
+/// SIGTERM after this interval and SIGKILL one interval later, even if they
+/// were ending anyway — a refused run takes 1.5 s instead of 5.8; the tests
+/// that stop a run with a signal and need time to save set their own), and
+/// [`NO_EPOLL`].
+pub const MPIRUN_ENV: [(&str, &str); 5] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+    ("RAYON_NUM_THREADS", "1"),
+    ("OMPI_MCA_odls_base_sigkill_timeout", "1"),
+    NO_EPOLL,
+];
+
 /// The mpirun command for `package` on `ranks` ranks with `args`, and its
 /// fresh `--out` folder (added unless `args` name one).
 pub fn mpirun_command(package: &str, ranks: usize, args: &[&str], name: &str) -> (Command, PathBuf) {
@@ -48,20 +70,7 @@ pub fn mpirun_command(package: &str, ranks: usize, args: &[&str], name: &str) ->
     cmd.args(["-q", "--oversubscribe", "-n", &ranks.to_string()])
         .arg(binary(package))
         .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("RAYON_NUM_THREADS", "1")
-        // Open MPI's own teardown interval, not the justfile's 3 s: when a
-        // rank exits non-zero, mpirun sends the ranks it has not yet seen end
-        // SIGTERM after this interval and SIGKILL one interval later, even if
-        // they were ending anyway — a refused run takes 1.5 s instead of 5.8.
-        // The tests that stop a run with a signal and need time to save set their own.
-        .env("OMPI_MCA_odls_base_sigkill_timeout", "1")
-        // As the justfile: libevent's poll backend in mpirun and the ranks'
-        // PMIx, not epoll, whose race with a rank's sockets closing on
-        // MPI_Abort once, under CI's load, added a second stderr line ("[warn] Epoll
-        // MOD(1) on fd 25 failed …"; cf. open-mpi/ompi#2004).
-        .env("EVENT_NOEPOLL", "1")
+        .envs(MPIRUN_ENV)
         .env("TMPDIR", &tmp);
     if !args.contains(&"--out") {
         cmd.arg("--out").arg(&out);

@@ -290,7 +290,7 @@ fn lesson_03_on_the_simulated_cluster_gives_the_shared_memory_digest() {
             .env("FSDP_CLUSTER_DIR", &dir)
             .env("FSDP_CLUSTER_ID", format!("t{slots}{}", std::process::id() % 10_000))
             .env("TMPDIR", &dir)
-            .env("EVENT_NOEPOLL", "1") // as common::mpirun_command
+            .envs([NO_EPOLL])
             .env_remove("LD_LIBRARY_PATH") // cargo's, for the test binary: not for ip, tc and mpirun
             .output()
             .expect("bash runs");

@@ -756,8 +756,11 @@ impl Sweep {
 /// Asks for shares `which` of `of` equal shares of the lines `s` touches
 /// (counted from the line holding its first element) into L2: a hint.
 fn shares_to_l2(s: &[f32], which: std::ops::Range<usize>, of: usize) {
+    if s.is_empty() {
+        return; // nothing to ask for (the AVX2 path's tiles call it once each): no division either
+    }
     let skew = s.as_ptr() as usize % 64 / 4;
-    let lines = if s.is_empty() { 0 } else { (skew + s.len()).div_ceil(per_line::<f32>()) };
+    let lines = (skew + s.len()).div_ceil(per_line::<f32>());
     let share = lines.div_ceil(of.max(1));
     let first = s.as_ptr().wrapping_sub(skew);
     for l in which.start * share..(which.end * share).min(lines) {
