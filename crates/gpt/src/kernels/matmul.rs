@@ -303,9 +303,12 @@ impl Blocks {
     /// rate without the asks over the rate with them was 1.04–1.10 at the
     /// tiny preset's nine products, 1.00–1.05 at the small preset's, 1.00 at
     /// 1024³ (an earlier set: 1.02–1.08, 1.02–1.11, 0.98); lesson 01 at one
-    /// rank moved within its noise (the book's performance appendix). Other
-    /// cores not Intel's (a Zen 4 or 5 held to AVX2 by `FSDP_MATMUL=avx2`,
-    /// say) take it unmeasured.
+    /// rank moved within its noise (the book's performance appendix). On a
+    /// Zen 4 (family 25, model 17) held to AVX2 by `FSDP_MATMUL=avx2`, 35
+    /// rounds: 1.02–1.04, 1.00–1.02, 1.01. Its AVX-512 path keeps the asks:
+    /// without them, 1.00–1.03 at the tiny preset's products and 1.00–1.02 at
+    /// the small preset's, within that machine's noise. Other cores not
+    /// Intel's (a Zen 5) take the rule unmeasured.
     pub fn rule(isa: Isa, intel: bool, [l1, l2, l3]: [usize; 3]) -> Blocks {
         match (isa, intel) {
             (Isa::Avx2, true) => Blocks::l1_resident(l1, l2, l3),
