@@ -37,8 +37,8 @@
 //! operand may come from L3 or memory, where an op before left it. Where
 //! the packed `a` and `b` outgrow half of L2, each column's sweep (columns
 //! first) asks for the next column panel of `b` (and on the AVX2 path the
-//! next block of `a`) into L2 — except on the AVX2 path of a core not
-//! Intel's, where the asks measured slower on a Zen 3 ([`Blocks::rule`]). The 12 × 32 AVX-512 tile
+//! next block of `a`) into L2 — on an Intel core only: on a Zen 3 and a
+//! Zen 4 the asks measured slower ([`Blocks::rule`]). The 12 × 32 AVX-512 tile
 //! always asks for its own panels' next lines. On the AVX2 path the column
 //! panels of a large output follow its 64-byte lines (`column_shift`), so
 //! that no row of a tile straddles two.
@@ -189,7 +189,7 @@ pub struct Blocks {
     /// for the next panels (see `Sweep`) where `ask_ahead`.
     pub in_l2: usize,
     /// Whether sweeps over packed operands beyond `in_l2` ask for the next
-    /// panels into L2: not on the AVX2 path of a core not Intel's ([`Blocks::rule`]).
+    /// panels into L2: only on an Intel core ([`Blocks::rule`]).
     pub ask_ahead: bool,
 }
 
@@ -294,27 +294,34 @@ impl Blocks {
 
     /// The rule for `isa`'s tiles on a CPU with these cache sizes (bytes),
     /// from Intel (`intel`) or not: [`Blocks::l1_resident`] for the AVX2
-    /// tiles on an Intel core; else [`Blocks::from_caches`], with `ask_ahead`
-    /// cleared on the AVX2 path: its sweeps do not ask for the next panels.
-    /// Those asks were measured on an Intel Xeon, where they paid (see
-    /// `products`' `after` and `Sweep::run`'s `prefetch_b`); on a Zen 3 (AMD
-    /// EPYC, family 25, model 1) they cost: in 30 rounds of `fsdp-bench
-    /// --matmul-only` alternating the two kernels, the median of each round's
-    /// rate without the asks over the rate with them was 1.04–1.10 at the
-    /// tiny preset's nine products, 1.00–1.05 at the small preset's, 1.00 at
-    /// 1024³ (an earlier set: 1.02–1.08, 1.02–1.11, 0.98); lesson 01 at one
-    /// rank moved within its noise (the book's performance appendix). On a
-    /// Zen 4 (family 25, model 17) held to AVX2 by `FSDP_MATMUL=avx2`, 35
-    /// rounds: 1.02–1.04, 1.00–1.02, 1.01. Its AVX-512 path keeps the asks:
-    /// without them, 1.00–1.03 at the tiny preset's products and 1.00–1.02 at
-    /// the small preset's, within that machine's noise. Other cores not
-    /// Intel's (a Zen 5) take the rule unmeasured.
+    /// tiles on an Intel core; else [`Blocks::from_caches`]; and on a core
+    /// not Intel's, `ask_ahead` cleared: its sweeps do not ask for the next
+    /// panels. Those asks were measured on an Intel Xeon, where they paid
+    /// (see `products`' `after` and `Sweep::run`'s `prefetch_b`); on AMD's
+    /// cores they cost. Measured by rounds of `fsdp-bench --matmul-only`
+    /// alternating the kernels with and without them, as the median of each
+    /// round's rate without the asks over its rate with them:
+    /// - a Zen 3 (AMD EPYC, family 25, model 1), AVX2, 30 rounds: 1.04–1.10
+    ///   at the tiny preset's nine products, 1.00–1.05 at the small preset's,
+    ///   1.00 at 1024³ (an earlier set: 1.02–1.08, 1.02–1.11, 0.98); lesson 01
+    ///   at one rank moved within its noise;
+    /// - a Zen 4 (family 25, model 17), 60 rounds. Its AVX2 path: 1.014–1.020
+    ///   at the eight tiny products that ask (the kernel with the asks faster
+    ///   in 3–8 rounds of 60), 0.999 at the one that never asks on its 1 MiB
+    ///   L2 (c_attn x·wᵀ); 1.00–1.02 at the small preset's, 1.01 at 1024³.
+    ///   Its AVX-512 path: 1.005–1.012 at the three tiny gᵀ·x products, the
+    ///   only tiny ones that ask there (faster without in 47–55 rounds of
+    ///   60), 1.000–1.003 at the six that run rows first and never ask;
+    ///   1.003–1.019 at the small preset's, 1.005 at 1024³.
+    ///
+    /// Other cores not Intel's (a Zen 5) take the rule unmeasured. The book's
+    /// performance appendix has the runs.
     pub fn rule(isa: Isa, intel: bool, [l1, l2, l3]: [usize; 3]) -> Blocks {
-        match (isa, intel) {
+        let blocks = match (isa, intel) {
             (Isa::Avx2, true) => Blocks::l1_resident(l1, l2, l3),
-            (Isa::Avx2, false) => Blocks { ask_ahead: false, ..Blocks::from_caches(l1, l2, l3) },
             _ => Blocks::from_caches(l1, l2, l3),
-        }
+        };
+        Blocks { ask_ahead: intel, ..blocks }
     }
 
     /// The blocks of the path in use on this CPU ([`Blocks::for_path`]).
@@ -326,7 +333,7 @@ impl Blocks {
     /// (/sys/devices/system/cpu/cpu0/cache: L1d, L2, L3, read once; 32 KiB,
     /// 512 KiB and 8 MiB where they cannot be read), by [`Blocks::rule`]:
     /// [`Blocks::l1_resident`] for the AVX2 tiles on an Intel core, else
-    /// [`Blocks::from_caches`] (without the sweeps' asks on the AVX2 path).
+    /// [`Blocks::from_caches`] (without the sweeps' asks on a core not Intel's).
     /// `FSDP_MATMUL_BLOCKS=KC,MC,NC` sets the three sizes instead, for every
     /// path and output size, to measure others (the bits are the same): no
     /// `kc_small`, and KC is never made shallower to run rows first. The
@@ -1610,13 +1617,15 @@ mod tests {
             .map(|(k, cols, kc)| shrunk().rows_first_kc(k, cols, kc));
         assert_eq!(got, [Some(75), Some(96), Some(43), None]);
         // Which rule each path takes: BLIS's for the AVX2 tiles on an Intel core; the Zen 3's
-        // elsewhere, whose AVX2 sweeps (on a core not Intel's) do not ask for the next panels.
+        // elsewhere; and only on an Intel core do the sweeps ask for the next panels.
         let zen3 = [32 << 10, 512 << 10, 32 << 20];
         assert_eq!(Blocks::rule(Isa::Avx2, true, zen3), Blocks::l1_resident(32 << 10, 512 << 10, 32 << 20));
         assert!(Blocks::rule(Isa::Avx2, true, zen3).ask_ahead);
-        assert_eq!(Blocks::rule(Isa::Avx2, false, zen3), Blocks { ask_ahead: false, ..b });
-        assert_eq!((Blocks::rule(Isa::Avx512, false, zen3), Blocks::rule(Isa::Avx512, true, zen3)), (b, b));
-        assert_eq!(Blocks::rule(Isa::Portable, false, zen3), b);
+        let quiet = Blocks { ask_ahead: false, ..b };
+        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+            assert_eq!(Blocks::rule(isa, false, zen3), quiet, "{isa:?} on a core not Intel's");
+        }
+        assert_eq!((Blocks::rule(Isa::Avx512, true, zen3), Blocks::rule(Isa::Portable, true, zen3)), (b, b));
         let tiny = Blocks::from_caches(1, 1, 1);
         assert_eq!(
             tiny,
