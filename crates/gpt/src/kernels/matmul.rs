@@ -205,6 +205,7 @@ impl Blocks {
     /// made the small-output gᵀ·x products (384 × 512 × 128, 512 × 512 × 128)
     /// 14% faster and the large-output ones (1024³, K = 1536) 4–12% slower.
     /// `a` and `b` are blocked only once a block of them outgrows a quarter of L3.
+    /// Its sweeps ask ahead; [`Blocks::rule`] stops that on a core not Intel's.
     pub fn from_caches(l1: usize, l2: usize, l3: usize) -> Blocks {
         let kc = (l2 * 3 / 16 / (4 * NR)).clamp(64, 1 << 14);
         let mc = ((l3 / 4 / (4 * kc)) / MR * MR).max(MR);
@@ -294,28 +295,15 @@ impl Blocks {
 
     /// The rule for `isa`'s tiles on a CPU with these cache sizes (bytes),
     /// from Intel (`intel`) or not: [`Blocks::l1_resident`] for the AVX2
-    /// tiles on an Intel core; else [`Blocks::from_caches`]; and on a core
-    /// not Intel's, `ask_ahead` cleared: its sweeps do not ask for the next
-    /// panels. Those asks were measured on an Intel Xeon, where they paid
-    /// (see `products`' `after` and `Sweep::run`'s `prefetch_b`); on AMD's
-    /// cores they cost. Measured by rounds of `fsdp-bench --matmul-only`
-    /// alternating the kernels with and without them, as the median of each
-    /// round's rate without the asks over its rate with them:
-    /// - a Zen 3 (AMD EPYC, family 25, model 1), AVX2, 30 rounds: 1.04–1.10
-    ///   at the tiny preset's nine products, 1.00–1.05 at the small preset's,
-    ///   1.00 at 1024³ (an earlier set: 1.02–1.08, 1.02–1.11, 0.98); lesson 01
-    ///   at one rank moved within its noise;
-    /// - a Zen 4 (family 25, model 17), 60 rounds. Its AVX2 path: 1.014–1.020
-    ///   at the eight tiny products that ask (the kernel with the asks faster
-    ///   in 3–8 rounds of 60), 0.999 at the one that never asks on its 1 MiB
-    ///   L2 (c_attn x·wᵀ); 1.00–1.02 at the small preset's, 1.01 at 1024³.
-    ///   Its AVX-512 path: 1.005–1.012 at the three tiny gᵀ·x products, the
-    ///   only tiny ones that ask there (faster without in 47–55 rounds of
-    ///   60), 1.000–1.003 at the six that run rows first and never ask;
-    ///   1.003–1.019 at the small preset's, 1.005 at 1024³.
-    ///
-    /// Other cores not Intel's (a Zen 5) take the rule unmeasured. The book's
-    /// performance appendix has the runs.
+    /// tiles on an Intel core, else [`Blocks::from_caches`]; and only on an
+    /// Intel core do the sweeps ask for the next panels (`ask_ahead`). Those
+    /// asks paid on the Intel Xeon they were measured on (see `products`'
+    /// `after` and `Sweep::run`'s `prefetch_b`) and cost on the two AMD cores
+    /// measured: at the tiny preset's products that ask, the rate without
+    /// them was 4–10% higher on a Zen 3's AVX2 path (AMD EPYC, family 25,
+    /// model 1), 1.4–2.0% on a Zen 4's AVX2 path and 0.5–1.2% on its AVX-512
+    /// path (family 25, model 17). The book's performance appendix has the runs.
+    /// Other cores not Intel's (a Zen 5) take the rule unmeasured.
     pub fn rule(isa: Isa, intel: bool, [l1, l2, l3]: [usize; 3]) -> Blocks {
         let blocks = match (isa, intel) {
             (Isa::Avx2, true) => Blocks::l1_resident(l1, l2, l3),
