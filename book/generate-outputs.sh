@@ -20,16 +20,17 @@ run() {
 
 run 01-two-ranks 2 step01-data-parallel
 # samples NAME TOKENS RUN SHOWN SHOWN_FLAGS: `just sample --untrained`, then `just sample` on the
-# weights of out/book/RUN, shown as the learner's out/SHOWN (what `just step NN` writes there).
+# weights of out/book/RUN, shown as the learner's out/SHOWN (what `just step NN` writes there);
+# the text (stdout) and its closing line (stderr) as a terminal shows them.
 samples() {
     local name=$1 tokens=$2 run=$3 shown=$4 flags=$5
     echo "· $name"
     {
         echo "\$ just sample --untrained --tokens $tokens"
-        target/release/fsdp-sample --untrained --tokens "$tokens"
+        target/release/fsdp-sample --untrained --tokens "$tokens" 2>&1
         echo
         echo "\$ just sample ${flags}--tokens $tokens"
-        target/release/fsdp-sample --weights "out/book/$run/weights.safetensors" --tokens "$tokens" | sed "s|out/book/$run/|out/$shown/|"
+        target/release/fsdp-sample --weights "out/book/$run/weights.safetensors" --tokens "$tokens" 2>&1 | sed "s|out/book/$run/|out/$shown/|"
     } > "$gen/$name.txt"
 }
 # What the model writes: the untrained one, and the one lesson 01 just trained (`just step 01`).

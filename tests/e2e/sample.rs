@@ -1,6 +1,7 @@
 //! `fsdp-sample`: the same weights, prompt and seed give the same text (a
 //! pinned snapshot), from a weights file and from the sharded checkpoint of
-//! the same run alike; and each bad input is one line.
+//! the same run alike, and stdout holds the text alone (the closing line, with
+//! its rate, goes to stderr); each bad input is one line.
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -10,12 +11,18 @@ fn sample(args: &[&str]) -> Output {
     Command::new(binary("fsdp-sample")).args(args).env("RAYON_NUM_THREADS", "1").output().unwrap()
 }
 
-/// The text a run wrote, without its last line (the rate, which varies).
+/// The text a run wrote: its whole stdout. Its closing line (where the
+/// weights came from, the rate, which varies) is on stderr, alone.
 fn text(o: &Output) -> String {
     let out = ok_stdout(o);
-    let (text, rate) = out.rsplit_once("\n— ").expect("a closing line");
-    assert!(rate.contains("tokens/s, without a KV cache"), "{rate}");
-    text.to_string()
+    let err = String::from_utf8_lossy(&o.stderr);
+    let closing: Vec<&str> = err.lines().filter(|l| !l.is_empty()).collect();
+    assert!(
+        closing.len() == 1 && closing[0].starts_with("— ") && closing[0].contains("tokens/s, without a KV cache"),
+        "stderr: {err:?}"
+    );
+    assert!(!out.contains("tokens/s"), "the rate on stdout: {out:?}");
+    out
 }
 
 fn refused(args: &[&str], says: &str) {
@@ -38,6 +45,9 @@ fn the_same_seed_gives_the_same_text_from_weights_and_from_a_checkpoint() {
     let base = ["--prompt", "KING:", "--tokens", "120", "--seed", "7"];
     let from_file = text(&sample(&[&["--weights", w][..], &base].concat()));
     insta::assert_snapshot!(from_file);
+    // `fsdp-sample > story.txt` twice with one seed: the same bytes.
+    let again = sample(&[&["--weights", w][..], &base].concat());
+    assert_eq!(again.stdout, from_file.as_bytes(), "two runs with --seed 7, stdout byte for byte");
     let from_ckpt = text(&sample(&[&["--ckpt", ck.to_str().unwrap()][..], &base].concat()));
     assert_eq!(from_ckpt, from_file, "the checkpoint's shards are the same weights");
     let other_seed = text(&sample(&[&["--weights", w][..], &base[..4], &["--seed", "8"]].concat()));

@@ -10,9 +10,11 @@
 //! position's logits (divided by `--temperature`, cut to the `--top-k`
 //! largest) with a seeded generator. No KV cache: every token runs the whole
 //! forward over its context — at most the block size (64 characters for the
-//! tiny preset), so a cache would save little; the run prints the rate. The
-//! same weights, prompt and seed give the same text on every machine the
-//! weights' bits are promised on.
+//! tiny preset), so a cache would save little. The text alone goes to
+//! stdout (`fsdp-sample > story.txt` keeps only it); a closing line on
+//! stderr says where the weights came from, the settings and the rate. The
+//! same weights, prompt and seed give the same text, byte for byte, on every
+//! machine the weights' bits are promised on.
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -154,7 +156,8 @@ fn run(a: Args) -> anyhow::Result<()> {
     }
     let secs = t0.elapsed().as_secs_f64();
     println!("{}{text}", a.prompt);
-    println!(
+    // The rate differs from run to run: on stderr, so that stdout is the text alone.
+    eprintln!(
         "\n— {} characters from {from}; temperature {}, top-k {}, seed {}; {:.0} tokens/s, without a KV cache (each token a forward over up to {} characters)",
         a.tokens,
         a.temperature,
