@@ -220,6 +220,19 @@ fn chrome(path: &Path) -> Vec<Event> {
         .collect()
 }
 
+/// The TCP eager limit the lessons set for themselves gives way to one the
+/// user chose (`mpirun --mca btl_tcp_eager_limit …` sets its variable).
+#[test]
+fn a_tcp_eager_limit_of_the_users_is_kept() {
+    let (o, out) = mpirun("step01-data-parallel", 2, FAST, "ov-eager-ours");
+    ok_stdout(&o);
+    assert_eq!(report(&out)["tcp_eager_limit_bytes"].as_u64(), Some(16 << 20));
+    let (mut cmd, out) = mpirun_command("step01-data-parallel", 2, FAST, "ov-eager-theirs");
+    let o = cmd.env("OMPI_MCA_btl_tcp_eager_limit", "65536").output().unwrap();
+    ok_stdout(&o);
+    assert_eq!(report(&out)["tcp_eager_limit_bytes"].as_u64(), Some(65536));
+}
+
 /// Bad input: one line, exit code 2, nothing written.
 #[test]
 fn bad_overlap_flags_get_one_line() {
@@ -306,6 +319,8 @@ fn lesson_03_on_the_simulated_cluster_gives_the_shared_memory_digest() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
         let r = report(&out);
+        // Between the nodes a unit's shard goes in one eager message (fsdp_comm::world::TCP_EAGER_LIMIT).
+        assert_eq!(r["tcp_eager_limit_bytes"].as_u64(), Some(16 << 20), "the TCP eager limit the ranks ran with");
         let sent: u64 = r["traffic"].as_object().unwrap().values().map(|t| t["bytes_sent"].as_u64().unwrap()).sum();
         if slots == 1 {
             // All of rank 0's bytes go to the other node, with TCP's and MPI's headers on top, and

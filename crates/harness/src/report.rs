@@ -444,6 +444,8 @@ impl<'a, 'w> Report<'a, 'w> {
                 (k.name().to_string(), json!({"calls": st.calls, "bytes_sent": st.bytes_sent, "bytes_remote": st.bytes_remote, "bytes_received": st.bytes_received, "seconds": st.seconds, "waited_seconds": st.waited, "exposed_seconds": st.exposed, "stream_cpu_seconds": st.cpu}))
             }).collect::<serde_json::Map<_, _>>(),
         });
+        // The transport's setting between machines that overlap depends on (fsdp_comm::world::TCP_EAGER_LIMIT).
+        j["tcp_eager_limit_bytes"] = json!(fsdp_comm::world::tcp_eager_limit());
         if !self.groups.is_empty() {
             let by_group: serde_json::Map<_, _> = self
                 .groups
