@@ -8,7 +8,8 @@ use crate::common::*;
 /// with many small micro-batches (where the gradient sums weigh most), in a
 /// run of one step, and with several gradient sums per rank (`--sum-groups`,
 /// on one rank too), and with communication overlapped (buffers in flight on
-/// the stream: DDP's buckets, prefetched units, reduce-scatters in flight).
+/// the stream: DDP's buckets, prefetched units — one and several ahead —,
+/// reduce-scatters in flight).
 /// Leaving out any buffer of 2% or more of the peak fails it.
 /// The test is split in four (lessons 01–02, 03, 04, overlapped), so that the
 /// two test threads share it.
@@ -62,9 +63,11 @@ fn the_tally_explains_the_measured_peak_with_communication_overlapped() {
         ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--sum-groups", "4"]),
         ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--trace", "target/test-out/mem-trace"]),
         ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--check"]),
+        ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--prefetch-depth", "2"]),
         ("step04-optimizer-state-shard", &["--stage", "1", "--overlap-comm"]),
         ("step04-optimizer-state-shard", &["--stage", "2", "--overlap-comm", "--sum-groups", "4"]),
         ("step04-optimizer-state-shard", &["--stage", "3", "--prefetch"]),
+        ("step04-optimizer-state-shard", &["--stage", "3", "--prefetch", "--prefetch-depth", "3"]),
     ]);
 }
 

@@ -26,7 +26,8 @@ fn run(pkg: &str, n: usize, args: &[&str], name: &str) -> (serde_json::Value, St
 /// Every overlapped schedule gives lesson 01's weights, bit for bit: DDP's
 /// buckets in lessons 01 and 02 at three bucket sizes (every unit its own
 /// bucket, two units, one bucket), with several micro-batches and sum groups
-/// per rank; FSDP2's prefetch in lesson 03 (in fp32) and ZeRO-3 (in bf16);
+/// per rank; FSDP2's prefetch in lesson 03 (in fp32; one unit ahead and
+/// three) and ZeRO-3 (in bf16, two ahead);
 /// overlap_comm in ZeRO-1 and 2 (bf16) — at 1, 2 and 4 ranks; the buckets
 /// at 3 as well.
 #[test]
@@ -43,6 +44,7 @@ fn every_overlapped_schedule_equals_lesson_01() {
             ("step02-whole-model-shard", &["--bucket-mb", "0.5", "--no-plot"]),
             ("step03-layerwise-shard", &["--prefetch", "--no-plot"]),
             ("step03-layerwise-shard", &["--prefetch", "--no-plot", "--blocks-per-unit", "3", "--sum-groups", "12"]),
+            ("step03-layerwise-shard", &["--prefetch", "--prefetch-depth", "3", "--no-plot"]),
         ] {
             let args: Vec<&str> = FAST.iter().chain(extra).copied().collect();
             let name = format!("ov-{pkg}-{n}-{}", extra.join(""));
@@ -51,10 +53,11 @@ fn every_overlapped_schedule_equals_lesson_01() {
             assert_eq!(r["weights_digest"].as_str(), Some(expected.as_str()), "{pkg} {extra:?} at {n} ranks");
         }
         for stage in ["1", "2", "3"] {
-            let flag = if stage == "3" { "--prefetch" } else { "--overlap-comm" };
-            let args: Vec<&str> = FAST.iter().chain(&["--stage", stage, flag]).copied().collect();
+            let flags: &[&str] =
+                if stage == "3" { &["--prefetch", "--prefetch-depth", "2"] } else { &["--overlap-comm"] };
+            let args: Vec<&str> = FAST.iter().chain(&["--stage", stage]).chain(flags).copied().collect();
             let (r, _) = run("step04-optimizer-state-shard", n, &args, &format!("ov-04-bf16-{stage}-{n}"));
-            assert_eq!(r["weights_digest"].as_str(), Some(bf16.as_str()), "ZeRO-{stage} {flag} bf16 at {n} ranks");
+            assert_eq!(r["weights_digest"].as_str(), Some(bf16.as_str()), "ZeRO-{stage} {flags:?} bf16 at {n} ranks");
         }
     }
     // Three ranks: each bucket padded to a multiple of 3, not of a power of two.
@@ -116,6 +119,7 @@ fn traces_show_what_ran_when() {
     for (pkg, extra, name) in [
         ("step03-layerwise-shard", &["--prefetch", "--no-plot"][..], "ov-trace-03"),
         ("step03-layerwise-shard", &["--no-plot"], "ov-trace-03-blocking"),
+        ("step03-layerwise-shard", &["--prefetch", "--prefetch-depth", "2", "--no-plot"], "ov-trace-03-depth-2"),
         ("step01-data-parallel", &["--bucket-mb", "0.1"], "ov-trace-01"),
         ("step04-optimizer-state-shard", &["--stage", "2", "--overlap-comm"], "ov-trace-04"),
     ] {
@@ -169,6 +173,27 @@ fn traces_show_what_ran_when() {
                         "step {step}: h.{next}'s gather is handed over after {phase} h.{this} ends"
                     );
                 }
+            }
+        }
+        if name == "ov-trace-03-depth-2" {
+            // Two entries ahead: in the backward, the unit two below is handed to the
+            // stream before this unit's backward ends; and the last block's gather for
+            // its backward before the head begins, across the head.
+            for step in 1..=3 {
+                let rank0: Vec<&Event> = all.iter().filter(|e| e.pid == 0 && e.step == step).collect();
+                let span = |name: &str| *rank0.iter().find(|e| e.tid == 1 && e.name == name).expect(name);
+                let second_gather = |unit: &str| {
+                    let g: Vec<&&Event> =
+                        rank0.iter().filter(|e| e.tid == 2 && e.name == format!("all_gather {unit}")).collect();
+                    assert_eq!(g.len(), 2, "step {step}: {unit} gathered twice");
+                    g[1].issued
+                };
+                for (this, two_below) in [(3, 1), (2, 0)] {
+                    let b = span(&format!("recompute+backward h.{this}"));
+                    assert!(second_gather(&format!("h.{two_below}")) < b.ts + b.dur, "step {step}: h.{two_below}");
+                }
+                let head = span("head forward+backward root");
+                assert!(second_gather("h.3") < head.ts, "step {step}: h.3's second gather waits for the head");
             }
         }
         if name == "ov-trace-03-blocking" {
@@ -247,6 +272,13 @@ fn bad_overlap_flags_get_one_line() {
     assert!(line.contains("--overlap-comm"), "{line}");
     let line = fails("step04-optimizer-state-shard", 2, &["--stage", "3", "--overlap-comm"], "ov-bad-overlap-3");
     assert!(line.contains("--prefetch"), "{line}");
+    // How far --prefetch reaches: with it, and one unit or more.
+    let line = fails("step03-layerwise-shard", 2, &["--prefetch-depth", "2"], "ov-bad-depth-alone");
+    assert!(line.contains("--prefetch-depth 2") && line.contains("add --prefetch"), "{line}");
+    let line = fails("step03-layerwise-shard", 2, &["--prefetch", "--prefetch-depth", "0"], "ov-bad-depth-0");
+    assert!(line.contains("--prefetch-depth 0") && line.contains("1 or more"), "{line}");
+    let line = fails("step04-optimizer-state-shard", 2, &["--stage", "2", "--prefetch-depth", "2"], "ov-bad-depth-2");
+    assert!(line.contains("--prefetch-depth applies to stage 3"), "{line}");
     // A trace folder that cannot be made: under a regular file.
     let blocker = out_dir("ov-bad-trace").join("a-file");
     std::fs::write(&blocker, b"x").unwrap();

@@ -16,7 +16,8 @@
 //! re-gathers the weights, **recomputes** the unit's forward from the saved
 //! input, backpropagates the upstream gradient through it and
 //! **reduce-scatters** the unit's gradient, so each rank keeps 1/N of it.
-//! Only one unit is ever unsharded (two with `--prefetch`).
+//! Only one unit is ever unsharded (two with `--prefetch`, 1 + K with
+//! `--prefetch-depth K`).
 //!
 //! The tied `wte` gets its lm_head part at the head and its embedding part
 //! at the very end, combined the way candle's whole-graph backward combines
@@ -24,6 +25,8 @@
 //! holds per micro-batch either that lm_head part (V, C) or the head's input
 //! (B, T, C), recomputing the head at the end: [`HeadGrad`], whichever is
 //! smaller.
+use std::collections::VecDeque;
+
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use fsdp_comm::MicroBatchSum;
@@ -150,6 +153,42 @@ pub fn schedule(block_units: usize, head: HeadGrad) -> Vec<Phase> {
     s
 }
 
+// ANCHOR: gathered_ahead
+/// The entries of `plan` whose all-gathers are in flight on the stream
+/// while entry `at` computes, `depth` entries ahead (`--prefetch`: 1;
+/// `--prefetch-depth K`: K; 0 without prefetch): of the next `depth`
+/// entries, those that need weights (the embedding's backward does not).
+/// The step hands them over; the tally counts their buffers.
+pub fn gathered_ahead(plan: &[Phase], at: usize, depth: usize) -> impl Iterator<Item = usize> + '_ {
+    (at + 1..plan.len().min(at + 1 + depth)).filter(|&i| plan[i].needs_weights())
+}
+// ANCHOR_END: gathered_ahead
+
+/// The config table's line for the entries gathered ahead.
+pub fn describe_prefetch(depth: usize) -> String {
+    match depth {
+        0 => "off".into(),
+        1 => "on: the next unit gathered, the last reduce-scattered on the communication stream".into(),
+        k => format!("on: the next {k} entries' units gathered, the last reduce-scattered on the communication stream"),
+    }
+}
+
+/// The entries gathered ahead for `--prefetch` and `--prefetch-depth K`:
+/// 0 without prefetch, 1 by default, K when given; K without `--prefetch`,
+/// or 0, is refused in one line.
+pub fn prefetch_depth(prefetch: bool, depth: Option<usize>) -> anyhow::Result<usize> {
+    match (prefetch, depth) {
+        (false, None) => Ok(0),
+        (false, Some(k)) => anyhow::bail!("--prefetch-depth {k} sets how far --prefetch reaches: add --prefetch"),
+        (true, Some(0)) => {
+            anyhow::bail!(
+                "--prefetch-depth 0: pass 1 or more units ahead (1 is --prefetch's default), or leave out --prefetch"
+            )
+        }
+        (true, k) => Ok(k.unwrap_or(1)),
+    }
+}
+
 /// What travels between the schedule's entries, per micro-batch of mine.
 struct Carry {
     batches: Vec<Batch>,
@@ -173,10 +212,11 @@ struct Carry {
 pub struct LayerwiseShard {
     pub units: Vec<FsdpUnit>,
     /// FSDP2's overlap (`--prefetch`, with the world's communication stream
-    /// started): each unit's all-gather handed to the stream while the unit
-    /// before it computes, forward and backward, and each reduce-scatter
-    /// handed to it while the next unit's backward runs.
-    pub prefetch: bool,
+    /// started): each unit's all-gather handed to the stream while the
+    /// entries before it compute, this many entries ahead (0: off, 1:
+    /// `--prefetch`, K: `--prefetch-depth K`), forward and backward, and
+    /// each reduce-scatter handed to it while the next unit's backward runs.
+    pub prefetch: usize,
     /// What waits for the tied `wte`'s embedding part.
     pub head_grad: HeadGrad,
 }
@@ -197,9 +237,15 @@ impl LayerwiseShard {
             loss_sum: 0.0,
         };
         let plan = schedule(self.units.len() - 1, self.head_grad);
-        // --prefetch: the next entry's unit, being gathered on the stream (at
-        // most two units unsharded: this entry's and the next one's) …
-        let mut ahead: Option<Unsharding> = None;
+        debug_assert!(
+            self.prefetch == 0 || self.units.iter().all(FsdpUnit::gathers),
+            "prefetch gathers resharded units"
+        );
+        // --prefetch: the units of the next entries, being gathered on the
+        // stream, in the schedule's order (at most 1 + K units unsharded:
+        // this entry's and those of the next K), and how far they reach …
+        let mut ahead: VecDeque<(usize, Unsharding)> = VecDeque::with_capacity(self.prefetch);
+        let mut handed = 0; // entries before this one have had their gathers handed over
         // … and the last unit whose reduce-scatter went to the stream.
         let mut reducing: Option<usize> = None;
         for (at, &phase) in plan.iter().enumerate() {
@@ -208,9 +254,9 @@ impl LayerwiseShard {
             let params = match phase.needs_weights() {
                 false => vec![],
                 true => {
-                    let gathered = match ahead.take() {
-                        Some(p) => p.wait(w)?,
-                        None => unit.unshard(w)?,
+                    let gathered = match ahead.front() {
+                        Some((i, _)) if *i == at => ahead.pop_front().expect("the front entry").1.wait(w)?,
+                        _ => unit.unshard(w)?,
                     };
                     let params = s.model.vars_from_tensor(&s.table, unit.params(), &gathered)?;
                     drop(gathered);
@@ -218,11 +264,11 @@ impl LayerwiseShard {
                     params
                 }
             };
-            // 2. prefetch: hand the next unit's all-gather to the stream, then compute this one
-            if self.prefetch {
-                let next = plan.get(at + 1).filter(|p| p.needs_weights()).map(|p| &self.units[p.unit()]);
-                ahead = next.filter(|u| u.gathers()).map(|u| u.unshard_async(w)).transpose()?;
+            // 2. prefetch: hand the next entries' all-gathers to the stream, then compute this one
+            for i in gathered_ahead(&plan, at, self.prefetch).filter(|&i| i >= handed) {
+                ahead.push_back((i, self.units[plan[i].unit()].unshard_async(w)?));
             }
+            handed = handed.max(at + 1 + self.prefetch);
             let label = || format!("{} {}", phase.label(), unit.name());
             let grad_sum = w.traced(label, || run_phase(s, phase, unit, &params, &mut c))?;
             tl.mark(label());
@@ -381,3 +427,36 @@ pub fn run_blocks(s: &Session, unit: &FsdpUnit, p: &[Tensor], x: &Tensor) -> any
     Ok(x)
 }
 // ANCHOR_END: phases
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What is in flight while an entry computes: the next K entries that
+    /// need weights — across the forward, the head and the backward alike,
+    /// never the embedding's backward, which needs none (unless it recomputes the head).
+    #[test]
+    fn the_gathers_in_flight_are_the_next_k_entries_that_need_weights() {
+        // E F1 F2 F3 F4 H B4 B3 B2 B1 EB: entries 0 to 10
+        let plan = schedule(4, HeadGrad::Keep);
+        let ahead = |at, k| gathered_ahead(&plan, at, k).collect::<Vec<_>>();
+        assert_eq!(ahead(0, 0), Vec::<usize>::new(), "no prefetch");
+        assert_eq!(ahead(0, 1), [1]);
+        assert_eq!(ahead(4, 1), [5], "the last forward: the head's root");
+        assert_eq!(ahead(4, 2), [5, 6], "… and the last block again, for its backward");
+        assert_eq!(ahead(8, 2), [9], "B2: B1, not the embedding's backward");
+        assert_eq!(ahead(9, 1), Vec::<usize>::new());
+        assert_eq!(ahead(7, 9), [8, 9], "never past the schedule");
+        let recompute = schedule(4, HeadGrad::Recompute);
+        assert_eq!(gathered_ahead(&recompute, 9, 1).collect::<Vec<_>>(), [10], "the head recomputed needs the root");
+    }
+
+    #[test]
+    fn the_prefetch_depth_needs_prefetch_and_one_unit_or_more() {
+        assert_eq!(prefetch_depth(false, None).unwrap(), 0);
+        assert_eq!(prefetch_depth(true, None).unwrap(), 1);
+        assert_eq!(prefetch_depth(true, Some(2)).unwrap(), 2);
+        assert!(prefetch_depth(false, Some(2)).unwrap_err().to_string().contains("add --prefetch"));
+        assert!(prefetch_depth(true, Some(0)).unwrap_err().to_string().contains("pass 1 or more"));
+    }
+}

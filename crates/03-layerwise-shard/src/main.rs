@@ -4,6 +4,7 @@
 //! ```text
 //! just step 03                      # 2 ranks: tally, unsharded peak, memory timeline
 //! just step 03 4 --prefetch         # the next unit's all-gather overlaps compute
+//! just step 03 2 --prefetch --prefetch-depth 2   # the next two units'
 //! just step 03 2 --blocks-per-unit 2 --check
 //! ```
 
@@ -30,6 +31,12 @@ struct Args {
     /// Start the next unit's all-gather (non-blocking) while computing this one.
     #[arg(long)]
     prefetch: bool,
+    /// With --prefetch: gather the units of the next K entries of the
+    /// schedule ahead, not only the next one's (FSDP2's explicit prefetch of
+    /// several modules): the wire stays busy where a unit computes for less
+    /// than the next gather takes, for K more units unsharded (the tally counts them).
+    #[arg(long, allow_negative_numbers = true, value_name = "K")]
+    prefetch_depth: Option<usize>,
     /// Transformer blocks per FSDP unit (in PyTorch, the modules fully_shard wraps): more blocks,
     /// fewer and larger gathers, a higher unsharded peak.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1, value_name = "K")]
@@ -82,6 +89,8 @@ fn main() -> ExitCode {
             },
         )?;
         hsdp::check(&s, args.hsdp)?;
+        let prefetch = step03_layerwise_shard::layerwise_shard::prefetch_depth(args.prefetch, args.prefetch_depth);
+        let prefetch = fsdp_harness::edge::agree(world, prefetch)?;
         if args.prefetch {
             // FSDP2's streams: a communication thread of its own, started on every rank together.
             s.start_stream()?;
@@ -90,16 +99,10 @@ fn main() -> ExitCode {
         let policy = UnitPolicy { overlap: args.prefetch, hsdp: args.hsdp, ..UnitPolicy::default() };
         let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, policy)?;
         let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
-        let head_grad = args.head_grad.unwrap_or_else(|| lower_peak(&s, &units, args.prefetch));
+        let head_grad = args.head_grad.unwrap_or_else(|| lower_peak(&s, &units, prefetch));
         s.print_config(&[
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
-            (
-                "prefetch",
-                match args.prefetch {
-                    true => "on: the next unit gathered, the last reduce-scattered on the communication stream".into(),
-                    false => "off".into(),
-                },
-            ),
+            ("prefetch", step03_layerwise_shard::layerwise_shard::describe_prefetch(prefetch)),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
             ("tied wte's gradient", head_grad.describe(s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size)),
             (
@@ -109,7 +112,7 @@ fn main() -> ExitCode {
         ]);
 
         reserve_receive_buffers(&s, &units, args.prefetch); // on the stream's thread under --prefetch
-        let mut fsdp = LayerwiseShard { units, prefetch: args.prefetch, head_grad };
+        let mut fsdp = LayerwiseShard { units, prefetch, head_grad };
         let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true, None)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes
         let mut timeline = MemoryTimeline::off();
@@ -157,7 +160,7 @@ fn main() -> ExitCode {
             ]);
         }
         let max_div = divergence.iter().copied().fold(0.0, nan_max);
-        let mut memory = tally(&s, &fsdp.units, args.prefetch, head_grad);
+        let mut memory = tally(&s, &fsdp.units, prefetch, head_grad);
         if let Some(r) = &reference_tally {
             // --check: lesson 02 beside, a diagnostic. Its state stays; its
             // step's peak shows only where it exceeds this lesson's.
@@ -170,7 +173,7 @@ fn main() -> ExitCode {
         hsdp::report_traffic(&mut report, &s, &layouts, sent, gather_bytes, scatter_bytes);
         report
             .table(units.render())
-            .table(unsharded_peak_table(&fsdp.units, args.prefetch).render())
+            .table(unsharded_peak_table(&fsdp.units, prefetch, head_grad).render())
             .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
             .json("divergence", serde_json::json!(divergence))
             .json("units", step03_layerwise_shard::units::units_json(&fsdp.units))

@@ -2,11 +2,13 @@
 //! collectives must move: the numbers the report prints beside the
 //! measured heap and the counted traffic.
 use fsdp_comm::ShardLayout;
+use fsdp_gpt::kernels::Probs;
+use fsdp_gpt::memory::block_activations;
 use fsdp_harness::session::{pass_rows, widen_row};
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
-use crate::layerwise_shard::HeadGrad;
+use crate::layerwise_shard::{HeadGrad, gathered_ahead, schedule};
 use crate::units::{FsdpUnit, in_flight_part, receive_buffers};
 
 // ANCHOR: tally
@@ -14,8 +16,9 @@ use crate::units::{FsdpUnit, in_flight_part, receive_buffers};
 /// (kept), and the busiest moment of the step's schedule — the head, a
 /// unit's recompute+backward or the embedding's backward, micro-batch by
 /// micro-batch — with what it carries from the entries before it.
-/// Lesson 04's stage 3 runs the same schedule and uses it too.
-pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) -> MemoryTally {
+/// Lesson 04's stage 3 runs the same schedule and uses it too. `prefetch`:
+/// the entries gathered ahead (0 without `--prefetch`).
+pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -> MemoryTally {
     let n = units[0].layout().world; // the ranks a unit is sharded over: N, or S under --hsdp
     let e = units[0].param_bytes(); // the compute dtype's bytes
     let dt = if e == 2 { "bf16" } else { "fp32" };
@@ -68,28 +71,32 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             "per micro-batch, until the root's gradient is summed",
         );
     };
-    // --prefetch: the next entry's all-gather in flight on the stream, its
-    // output and my shard copied in (both freed when it is waited for) …
-    let prefetched = |m: &mut Moment, next: Option<&FsdpUnit>| {
-        if let Some(u) = next.filter(|u| prefetch && u.gathers()) {
-            m.add(
-                &format!("next unit, prefetched ({dt})"),
-                u.layout().padded,
-                e,
-                "--prefetch: its all-gather in flight",
-            )
-            .add(
-                &format!("my shard of it, copied in ({dt})"),
-                u.layout().shard_len,
-                e,
-                "the all-gather's input",
-            );
+    // --prefetch: the all-gathers in flight on the stream while the
+    // schedule's entry `at` computes, each one's output and my shard copied
+    // in (both freed when it is waited for) …
+    let plan = schedule(units.len() - 1, head);
+    let prefetched = |m: &mut Moment, at: usize| {
+        let ahead: Vec<&FsdpUnit> = gathered_ahead(&plan, at, prefetch).map(|i| &units[plan[i].unit()]).collect();
+        if ahead.is_empty() {
+            return;
         }
+        let (padded, shards) = ahead.iter().fold((0, 0), |(p, h), u| (p + u.layout().padded, h + u.layout().shard_len));
+        let names: Vec<&str> = ahead.iter().map(|u| u.name()).collect();
+        let (what, note) = match ahead.len() {
+            1 => ("next unit".to_string(), "--prefetch: its all-gather in flight".to_string()),
+            k => (format!("next {k} units"), format!("--prefetch-depth {prefetch}: {} in flight", names.join(", "))),
+        };
+        m.add(&format!("{what}, prefetched ({dt})"), padded, e, &note).add(
+            &format!("my shard of {}, copied in ({dt})", if ahead.len() == 1 { "it" } else { "each" }),
+            shards,
+            e,
+            "the all-gather's input",
+        );
     };
     // … and the unit above's reduce-scatter, handed to the stream after its
     // backward and waited for once this unit's backward is done.
     let reducing = |m: &mut Moment, above: Option<&FsdpUnit>| {
-        if let Some(u) = above.filter(|_| prefetch) {
+        if let Some(u) = above.filter(|_| prefetch > 0) {
             m.add(
                 &format!("{}'s grad sums, reduce-scatter in flight (fp32)", u.name()),
                 s.sum_groups.per_rank() * u.layout().padded,
@@ -112,7 +119,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
     };
     // A unit's reduce-scatter with several sums per rank (--sum-groups):
     // they are packed per destination first, beside the sums themselves.
-    let send_moment = |u: &FsdpUnit, next: Option<&FsdpUnit>, saved: usize, done: usize| {
+    // `at`: its entry in the schedule.
+    let send_moment = |u: &FsdpUnit, at: usize, saved: usize, done: usize| {
         let groups = s.sum_groups.per_rank();
         (groups > 1).then(|| {
             let mut m = Moment::new(format!("reduce-scatter of {}", u.name()));
@@ -121,17 +129,13 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             sums(&mut m, u, done);
             m.add("send buffer", groups * u.layout().padded, 4, "its group sums packed per destination");
             ids(&mut m);
-            prefetched(&mut m, next);
+            prefetched(&mut m, at);
             m
         })
     };
     let largest_tensor = |u: &FsdpUnit| u.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
-    // The unit whose entry follows block unit u's backward: the one below,
-    // or after the last the root, when the head is recomputed.
-    let next_after = |u: usize| match u {
-        1 => (head == HeadGrad::Recompute).then(|| &units[0]),
-        _ => Some(&units[u - 1]),
-    };
+    // Where the head's and block unit u's backward entries are in the schedule.
+    let (head_at, backward_at) = (blocks + 1, |u: usize| 2 * blocks + 2 - u);
     let recomputed = |m: &mut Moment| {
         if head == HeadGrad::Recompute {
             m.add(&format!("root as candle Vars ({dt})"), units[0].layout().numel, e, "gathered again, for the head")
@@ -139,6 +143,32 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         }
     };
     let mut moments = vec![];
+    // The forward entries: no graph, only each unit's output kept. Never the
+    // busiest moment with one entry gathered ahead; with more, all but the
+    // first of them can be in flight here (`--prefetch-depth`), so they are
+    // counted, with what one block's forward makes as it goes bounded by what
+    // its graph would keep.
+    let block_forward = block_activations(&s.cfg, (b, t), Probs::Keep); // attention's P is made, if not kept
+    for (at, unit) in units.iter().enumerate().take(blocks + 1) {
+        for k in 0..mine {
+            let name = if at == 0 { "embed" } else { "forward" };
+            let mut m = Moment::new(format!("{name} of {}, micro-batch {k}", unit.name()));
+            m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use").add(
+                &format!("saved unit inputs ({dt})"),
+                (at * mine + k) * btc,
+                e,
+                "(B, T, C) per unit and micro-batch",
+            );
+            ids(&mut m);
+            let (what, len) = match at {
+                0 => ("the looked-up rows and their sum", 2 * btc),
+                _ => ("a block's forward, as it goes", block_forward),
+            };
+            m.add(&format!("{what} ({dt})"), len, e, "no graph: at most what its graph would keep");
+            prefetched(&mut m, at);
+            moments.push(m);
+        }
+    }
     for k in 0..mine {
         // The head: my micro-batch k's head forward and backward.
         let mut m = Moment::new(format!("head forward+backward, micro-batch {k}"));
@@ -152,7 +182,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         m.add(&format!("the head's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
         ids(&mut m);
         pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph");
-        prefetched(&mut m, units.get(blocks).filter(|_| blocks > 0));
+        prefetched(&mut m, head_at);
         moments.push(m);
         // Each block unit's recompute and backward.
         for u in (1..=blocks).rev() {
@@ -170,7 +200,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             ids(&mut m);
             let f = shapes.blocks_recomputed(unit.blocks(), (b, t));
             pass_rows(&mut m, &f, "the unit's recomputed graph");
-            prefetched(&mut m, next_after(u));
+            prefetched(&mut m, backward_at(u));
             reducing(&mut m, units.get(u + 1));
             moments.push(m);
             // Then its gradient is added to the unit's sum, the graph still alive.
@@ -193,11 +223,11 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
             )
             .add("candle's GradStore", f.grad_store, 1, "the unit's gradients and its input's");
             widen_row(&mut m, e, largest_tensor(unit));
-            prefetched(&mut m, next_after(u));
+            prefetched(&mut m, backward_at(u));
             reducing(&mut m, units.get(u + 1));
             moments.push(m);
             if k + 1 == mine {
-                moments.extend(send_moment(unit, next_after(u), (u - 1) * mine * btc, mine)); // its own inputs gone
+                moments.extend(send_moment(unit, backward_at(u), (u - 1) * mine * btc, mine)); // its own inputs gone
             }
         }
         // The head recomputed, when it is: the root gathered again.
@@ -236,7 +266,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
         reducing(&mut m, units.get(1));
         moments.push(m);
         if k + 1 == mine {
-            moments.extend(send_moment(&units[0], None, 0, mine));
+            moments.extend(send_moment(&units[0], plan.len() - 1, 0, mine));
         }
     }
     k.peak(moments);
@@ -252,20 +282,27 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: bool, head: HeadGrad) ->
 /// wait and is kept; on 2 × 16 tokens the head's input is, and the head is
 /// recomputed. With GPT-2's 50,257 tokens a (V, C) part per micro-batch
 /// would be 154 MB in fp32.
-pub fn lower_peak(s: &Session, units: &[FsdpUnit], prefetch: bool) -> HeadGrad {
+pub fn lower_peak(s: &Session, units: &[FsdpUnit], prefetch: usize) -> HeadGrad {
     let peak = |h| tally(s, units, prefetch, h).expected_peak_bytes();
     if peak(HeadGrad::Recompute) < peak(HeadGrad::Keep) { HeadGrad::Recompute } else { HeadGrad::Keep }
 }
 // ANCHOR_END: head_grad_choice
 
-/// The unsharded peak: the largest unit against lesson 02's whole model.
-pub fn unsharded_peak_table(units: &[FsdpUnit], prefetch: bool) -> Table {
+/// The unsharded peak: the largest unit (× 1 + the most gathered ahead at
+/// once under `--prefetch`) against lesson 02's whole model.
+pub fn unsharded_peak_table(units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -> Table {
     let numel: usize = units.iter().map(|u| u.layout().numel).sum();
     let largest = units.iter().max_by_key(|u| u.layout().numel).expect("a model has units");
-    let held = largest.layout().numel * if prefetch { 2 } else { 1 };
+    let plan = schedule(units.len() - 1, head);
+    let most = (0..plan.len()).map(|at| gathered_ahead(&plan, at, prefetch).count()).max().unwrap_or(0);
+    let held = largest.layout().numel * (1 + most);
     let mut t = Table::new(["peak unsharded params", "elements", "MB"]);
     t.row([
-        format!("largest unit ({}){}", largest.name(), if prefetch { " × 2 (prefetch)" } else { "" }),
+        format!(
+            "largest unit ({}){}",
+            largest.name(),
+            if prefetch > 0 { format!(" × {} (prefetch)", 1 + prefetch) } else { String::new() }
+        ),
         fsdp_harness::table::thousands(held as u64),
         mb(4 * held as u64),
     ]);

@@ -16,6 +16,7 @@ use clap::Parser;
 use fsdp_gpt::Precision;
 use fsdp_harness::session::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise};
+use step03_layerwise_shard::layerwise_shard::{describe_prefetch, prefetch_depth};
 use step03_layerwise_shard::tally::bytes_per_step;
 use step03_layerwise_shard::{HeadGrad, hsdp};
 use step04_optimizer_state_shard::OptimizerStateShard;
@@ -44,6 +45,10 @@ struct Args {
     /// backward, and reduce-scatters each unit while the next unit's backward runs.
     #[arg(long)]
     prefetch: bool,
+    /// Stage 3, with --prefetch: gather the units of the next K entries of
+    /// lesson 03's schedule ahead (lesson 03's --prefetch-depth).
+    #[arg(long, allow_negative_numbers = true, value_name = "K")]
+    prefetch_depth: Option<usize>,
     /// Stages 1 and 2: DeepSpeed's overlap_comm — a communication thread
     /// reduce-scatters each unit's gradient as soon as my last micro-batch's
     /// backward completes it, while the blocks below still compute.
@@ -84,6 +89,10 @@ fn main() -> ExitCode {
                     "--head-grad {} applies to stage 3 (lesson 03's schedule): leave it out at --stage {stage}",
                     h.name()
                 )),
+                _ if args.prefetch_depth.is_some() && args.stage < 3 => Err(anyhow::anyhow!(
+                    "--prefetch-depth applies to stage 3 (lesson 03's schedule, with --prefetch): leave it out at --stage {}",
+                    args.stage
+                )),
                 _ if args.prefetch && args.stage < 3 => Err(anyhow::anyhow!(
                     "--prefetch applies to stage 3 (lesson 03's schedule): at --stage {} the reduce-scatter overlaps the backward with --overlap-comm",
                     args.stage
@@ -95,6 +104,7 @@ fn main() -> ExitCode {
             },
         )?;
         hsdp::check(&s, args.hsdp)?;
+        let prefetch = fsdp_harness::edge::agree(world, prefetch_depth(args.prefetch, args.prefetch_depth))?;
         if args.prefetch || args.overlap_comm {
             // FSDP2's streams, DeepSpeed's overlap_comm: a communication thread of its own, on every rank.
             s.start_stream()?;
@@ -108,7 +118,7 @@ fn main() -> ExitCode {
             start,
             args.stage,
             args.precision,
-            args.prefetch || args.overlap_comm, // each refused where it does not apply
+            (prefetch, args.overlap_comm), // each refused where it does not apply
             args.recompute,
             args.head_grad,
             args.hsdp,
@@ -122,13 +132,7 @@ fn main() -> ExitCode {
             ),
             ("gradient reduce dtype", "fp32, summed as a fixed pairwise tree".to_string()),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
-            (
-                "prefetch",
-                match args.prefetch {
-                    true => "on: the next unit gathered, the last reduce-scattered on the communication stream".into(),
-                    false => "off".into(),
-                },
-            ),
+            ("prefetch", describe_prefetch(prefetch)),
             (
                 "tied wte's gradient",
                 match args.stage {

@@ -52,13 +52,14 @@ impl OptimizerStateShard {
         start: Start,
         stage: u8,
         precision: Precision,
-        overlap: bool,
+        (prefetch, overlap_comm): (usize, bool), // stage 3's units gathered ahead; stages 1 and 2's overlap_comm
         recompute: bool,
         head_grad: Option<HeadGrad>,
         hsdp: Option<usize>, // `--hsdp S`: sharded within shard groups of S ranks (lesson 03's)
     ) -> anyhow::Result<Self> {
-        // `overlap`: FSDP2's at stage 3 (`--prefetch`), DeepSpeed's `overlap_comm` at 1 and 2.
-        let (prefetch, overlap_comm) = (overlap && stage == 3, overlap && stage < 3);
+        // Overlap: FSDP2's at stage 3 (`--prefetch`), DeepSpeed's `overlap_comm` at 1 and 2.
+        let (prefetch, overlap_comm) = (if stage == 3 { prefetch } else { 0 }, overlap_comm && stage < 3);
+        let overlap = prefetch > 0 || overlap_comm;
         // Stages 1 and 2 keep each unit's compute copy unsharded from step to
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
         // bf16 travels as each element's rounded bits (exercise 4.2).

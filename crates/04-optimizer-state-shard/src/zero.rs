@@ -41,7 +41,8 @@ pub struct Shapes {
     pub ranks: usize,
     /// Bytes per element of the compute copy and candle's gradients (2 for bf16).
     pub compute_bytes: usize,
-    pub prefetch: bool,
+    /// Stage 3's units gathered ahead (`--prefetch`: 1; 0 without).
+    pub prefetch: usize,
     /// Gradient sums per unit on each rank (`--sum-groups` G / N; by default 1): what the reduce-scatter sends.
     pub sum_groups: usize,
     /// The most partial sums one gradient sum holds at once (the pairwise tree's stack).
@@ -102,8 +103,12 @@ pub fn model_states(stage: u8, sh: Shapes) -> MemoryTally {
                 "reduce-scattered as soon as the unit is done",
             ),
     };
-    if stage == 3 && sh.prefetch {
-        t.add(&format!("next unit, prefetched ({cdt})"), sh.largest_padded, c, "--prefetch");
+    if stage == 3 && sh.prefetch > 0 {
+        let (what, note) = match sh.prefetch {
+            1 => ("next unit".to_string(), "--prefetch".to_string()),
+            k => (format!("next {k} units"), format!("--prefetch-depth {k}, the largest unit's size each")),
+        };
+        t.add(&format!("{what}, prefetched ({cdt})"), sh.prefetch * sh.largest_padded, c, &note);
     }
     if n > 1 || sh.sum_groups > 1 {
         let groups = sh.sum_groups; // more than one sum: packed per destination, then received

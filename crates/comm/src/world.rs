@@ -377,6 +377,6 @@ mod tests {
         assert_eq!(tcp_eager_setting(true), None);
         // Above the largest unit shard a lesson sends between two ranks at the gpt2
         // preset (a block of 7,087,872 fp32 parameters, half of it per rank).
-        assert!(TCP_EAGER_LIMIT >= 7_087_872 / 2 * 4);
+        const { assert!(TCP_EAGER_LIMIT >= 7_087_872 / 2 * 4) };
     }
 }
