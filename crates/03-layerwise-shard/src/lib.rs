@@ -11,7 +11,7 @@
 //! // One block per unit, resharded after every use, gathered in fp32 (FSDP2's defaults).
 //! let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, UnitPolicy::default())?;
 //! drop(start); // my shards are read
-//! let head_grad = step03_layerwise_shard::tally::lower_peak(s, &units, false);
+//! let head_grad = step03_layerwise_shard::tally::lower_peak(s, &units, 0);
 //! let mut fsdp = LayerwiseShard { units, prefetch: 0, head_grad };
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }
