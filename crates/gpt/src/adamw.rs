@@ -85,19 +85,38 @@ impl AdamW {
         let step_size = c.lr / bias1;
         let bias2_sqrt = bias2.sqrt();
         let w = 1.0 - c.beta1;
+        let k = Consts { decay, w, beta2: c.beta2, eps: c.eps, step_size, bias2_sqrt };
         for (r, decays) in &self.runs {
-            let decay = if *decays { decay } else { 1.0 }; // × 1.0: exact, as if skipped
+            let k = Consts { decay: if *decays { decay } else { 1.0 }, ..k }; // × 1.0: exact, as if skipped
             let r = r.clone();
-            let it =
-                params[r.clone()].iter_mut().zip(&grads[r.clone()]).zip(&mut self.m[r.clone()]).zip(&mut self.v[r]);
-            for (((p, &g), m), v) in it {
-                *p *= decay;
-                *m += w * (g - *m);
-                *v = *v * c.beta2 + (1.0 - c.beta2) * g * g;
-                let denom = v.sqrt() / bias2_sqrt + c.eps;
-                *p += -step_size * (*m / denom);
-            }
+            let (p, g, m, v) = (&mut params[r.clone()], &grads[r.clone()], &mut self.m[r.clone()], &mut self.v[r]);
+            crate::kernels::elementwise(|| update(p, g, m, v, k));
         }
+    }
+}
+
+/// One step's constants.
+#[derive(Clone, Copy)]
+struct Consts {
+    decay: f32,
+    w: f32,
+    beta2: f32,
+    eps: f32,
+    step_size: f32,
+    bias2_sqrt: f32,
+}
+
+/// The update of a run of elements, each by itself: the same operations in
+/// the same order at any SIMD width (no fused multiply-add: Rust never forms
+/// one unasked), so [`crate::kernels::elementwise`] may run it as wide as the CPU allows.
+#[inline(always)]
+fn update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], k: Consts) {
+    for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m).zip(v) {
+        *p *= k.decay;
+        *m += k.w * (g - *m);
+        *v = *v * k.beta2 + (1.0 - k.beta2) * g * g;
+        let denom = v.sqrt() / k.bias2_sqrt + k.eps;
+        *p += -k.step_size * (*m / denom);
     }
 }
 

@@ -48,6 +48,66 @@ pub(super) fn lanes() -> usize {
     }
 }
 
+/// Runs `f`, a loop whose elements are computed each by itself, compiled
+/// for the [`lanes`] the element-wise kernels take (AVX-512F's sixteen where
+/// the matmul takes its AVX-512 path, else AVX2's eight where the CPU has
+/// it): wider loads, stores and arithmetic, the same operations on each
+/// element, so the same bits. For the optimizer's update, outside these kernels.
+#[inline(always)]
+pub fn elementwise<R>(f: impl FnOnce() -> R) -> R {
+    match lanes() {
+        #[cfg(target_arch = "x86_64")]
+        16 => {
+            #[target_feature(enable = "avx512f")]
+            fn on_avx512<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            // SAFETY: lanes() is 16 only where the matmul's AVX-512 path runs, on a CPU with AVX-512F.
+            unsafe { on_avx512(f) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        8 => {
+            #[target_feature(enable = "avx2")]
+            fn on_avx2<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            // SAFETY: lanes() is 8 only on a CPU with AVX2.
+            unsafe { on_avx2(f) }
+        }
+        _ => f(),
+    }
+}
+
+/// An 8 × 8 block of f32 transposed in AVX2 registers: `r[i]` holds line
+/// i's values at steps 0..8, the result's `[j]` every line's value at step
+/// j (lane i: line i's). Moves only: the values are the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn transpose8(r: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let (u0, u1) = (_mm256_unpacklo_ps(r[0], r[1]), _mm256_unpackhi_ps(r[0], r[1]));
+    let (u2, u3) = (_mm256_unpacklo_ps(r[2], r[3]), _mm256_unpackhi_ps(r[2], r[3]));
+    let (u4, u5) = (_mm256_unpacklo_ps(r[4], r[5]), _mm256_unpackhi_ps(r[4], r[5]));
+    let (u6, u7) = (_mm256_unpacklo_ps(r[6], r[7]), _mm256_unpackhi_ps(r[6], r[7]));
+    let s = [
+        _mm256_shuffle_ps::<0x44>(u0, u2), // lines 0-3 at steps 0 | 4
+        _mm256_shuffle_ps::<0xEE>(u0, u2), // 1 | 5
+        _mm256_shuffle_ps::<0x44>(u1, u3), // 2 | 6
+        _mm256_shuffle_ps::<0xEE>(u1, u3), // 3 | 7
+        _mm256_shuffle_ps::<0x44>(u4, u6), // lines 4-7, likewise
+        _mm256_shuffle_ps::<0xEE>(u4, u6),
+        _mm256_shuffle_ps::<0x44>(u5, u7),
+        _mm256_shuffle_ps::<0xEE>(u5, u7),
+    ];
+    let mut t = [_mm256_setzero_ps(); 8];
+    for j in 0..4 {
+        t[j] = _mm256_permute2f128_ps::<0x20>(s[j], s[j + 4]); // step j
+        t[j + 4] = _mm256_permute2f128_ps::<0x31>(s[j], s[j + 4]); // step j + 4
+    }
+    t
+}
+
 /// Elements of `T` in a 64-byte cache line: the step between prefetches.
 pub(super) const fn per_line<T>() -> usize {
     64 / size_of::<T>()

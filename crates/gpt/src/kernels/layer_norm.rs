@@ -126,12 +126,108 @@ fn rows_f32(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS] {
     rstd
 }
 
-/// The f32 forward: `ROWS` rows at a time through [`rows_f32`], the rest
-/// one by one; compiled for AVX2 where the CPU has it (wider element-wise
-/// loops, the same roundings).
+/// The eight rows' values at steps `kk .. kk + 8` of c, one vector per step
+/// (lane r: row r's value): eight loads and a transpose in registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn columns8(rows: &[&[f32]; ROWS], kk: usize) -> [std::arch::x86_64::__m256; 8] {
+    // SAFETY: the callers pass kk + 8 ≤ c, each row's length.
+    super::common::transpose8(std::array::from_fn(|r| unsafe {
+        std::arch::x86_64::_mm256_loadu_ps(rows[r].as_ptr().add(kk))
+    }))
+}
+
+/// [`rows_f32`] with the rows in the lanes of AVX2 registers: the same
+/// chains — each row's sum and squared deviations over c in order, each term
+/// rounded as there — eight steps of c transposed into place at a time, the
+/// last `c % 8` steps one by one.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn rows_f32_avx2(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS] {
+    use std::arch::x86_64::*;
+    let n = c as f32;
+    let rows: [&[f32]; ROWS] = std::array::from_fn(|r| &x[r * c..][..c]);
+    let c8 = c / 8 * 8;
+    let lanes = |v: __m256| -> [f32; ROWS] {
+        let mut a = [0f32; ROWS];
+        // SAFETY: a holds eight f32s.
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        a
+    };
+    let mut acc = _mm256_setzero_ps();
+    for kk in (0..c8).step_by(8) {
+        for t in columns8(&rows, kk) {
+            acc = _mm256_add_ps(acc, t);
+        }
+    }
+    let mut sum = lanes(acc);
+    for k in c8..c {
+        for (s, row) in sum.iter_mut().zip(&rows) {
+            *s += row[k];
+        }
+    }
+    let mean = sum.map(|s| s / n);
+    // SAFETY: mean holds eight f32s.
+    let mv = unsafe { _mm256_loadu_ps(mean.as_ptr()) };
+    let mut acc = _mm256_setzero_ps();
+    for kk in (0..c8).step_by(8) {
+        for t in columns8(&rows, kk) {
+            let d = _mm256_sub_ps(t, mv);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(d, d)); // a product, then a sum: as rows_f32, no FMA
+        }
+    }
+    let mut sq = lanes(acc);
+    for k in c8..c {
+        for ((s, row), m) in sq.iter_mut().zip(&rows).zip(&mean) {
+            *s += (row[k] - m) * (row[k] - m);
+        }
+    }
+    let rstd = sq.map(|s| 1.0 / (s / n + eps).sqrt());
+    for (r, h) in xhat.chunks_exact_mut(c).enumerate() {
+        for (h, &v) in h.iter_mut().zip(rows[r]) {
+            *h = (v - mean[r]) * rstd[r];
+        }
+    }
+    rstd
+}
+
+/// The backward's two sums of `ROWS` rows side by side, `Σ g·w` and
+/// `Σ g·w·x̂` over c in order (each product rounded as written), on AVX2:
+/// eight steps of c transposed into place at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn backward_sums_avx2(gs: &[&[f32]; ROWS], hs: &[&[f32]; ROWS], w: &[f32]) -> ([f32; ROWS], [f32; ROWS]) {
+    use std::arch::x86_64::*;
+    let c = w.len();
+    let c8 = c / 8 * 8;
+    let (mut sg, mut sgx) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for kk in (0..c8).step_by(8) {
+        let (tg, th) = (columns8(gs, kk), columns8(hs, kk));
+        for j in 0..8 {
+            let gw = _mm256_mul_ps(tg[j], _mm256_set1_ps(w[kk + j]));
+            sg = _mm256_add_ps(sg, gw);
+            sgx = _mm256_add_ps(sgx, _mm256_mul_ps(gw, th[j]));
+        }
+    }
+    let (mut sum_g, mut sum_gx) = ([0f32; ROWS], [0f32; ROWS]);
+    // SAFETY: each array holds eight f32s.
+    unsafe { (_mm256_storeu_ps(sum_g.as_mut_ptr(), sg), _mm256_storeu_ps(sum_gx.as_mut_ptr(), sgx)) };
+    for k in c8..c {
+        for r in 0..ROWS {
+            sum_g[r] += gs[r][k] * w[k];
+            sum_gx[r] += gs[r][k] * w[k] * hs[r][k];
+        }
+    }
+    (sum_g, sum_gx)
+}
+
+/// The f32 forward: `ROWS` rows at a time through [`rows_f32`] (with AVX2,
+/// [`rows_f32_avx2`]: the same chains), the rest one by one; compiled for
+/// AVX2 where the CPU has it (wider element-wise loops, the same roundings).
 fn forward_f32(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32) -> Vec<f32> {
     #[inline(always)]
-    fn each(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32, y: &mut [f32]) {
+    fn each<const AVX2: bool>(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32, y: &mut [f32]) {
         /// x̂ · w + b, on rows whose x̂ was just written (still in L1).
         #[inline(always)]
         fn scale_shift(y: &mut [f32], w: &[f32], b: &[f32], c: usize) {
@@ -144,7 +240,7 @@ fn forward_f32(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32) -> Vec<f32> 
         let whole = x.len() / (ROWS * c) * (ROWS * c);
         let (y_whole, y_rest) = y.split_at_mut(whole);
         for (x, y) in x[..whole].chunks_exact(ROWS * c).zip(y_whole.chunks_exact_mut(ROWS * c)) {
-            rows_f32(x, y, c, eps);
+            rows(AVX2, x, y, c, eps);
             scale_shift(y, w, b, c);
         }
         for (x, y) in x[whole..].chunks_exact(c).zip(y_rest.chunks_exact_mut(c)) {
@@ -158,14 +254,27 @@ fn forward_f32(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32) -> Vec<f32> 
         true => {
             #[target_feature(enable = "avx2")]
             fn on_avx2(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32, y: &mut [f32]) {
-                each(x, w, b, c, eps, y)
+                each::<true>(x, w, b, c, eps, y)
             }
             // SAFETY: the CPU has AVX2 (detected).
             unsafe { on_avx2(x, w, b, c, eps, &mut y) }
         }
-        _ => each(x, w, b, c, eps, &mut y),
+        _ => each::<false>(x, w, b, c, eps, &mut y),
     }
     y
+}
+
+/// `ROWS` rows' x̂ and 1/σ: [`rows_f32_avx2`] where `avx2` (the caller
+/// checked the CPU), else [`rows_f32`]. The same bits either way.
+#[inline(always)]
+fn rows(avx2: bool, x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS] {
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: only the AVX2 paths pass true, on a CPU with AVX2.
+        return unsafe { rows_f32_avx2(x, xhat, c, eps) };
+    }
+    let _ = avx2;
+    rows_f32(x, xhat, c, eps)
 }
 
 /// The f32 backward, `ROWS` rows at a time as [`forward_f32`]: each row's
@@ -173,22 +282,23 @@ fn forward_f32(x: &[f32], w: &[f32], b: &[f32], c: usize, eps: f32) -> Vec<f32> 
 /// order (`dw` and `db` add the rows in that order).
 fn backward_f32(x: &[f32], w: &[f32], g: &[f32], c: usize, eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     #[inline(always)]
-    fn each(x: &[f32], w: &[f32], g: &[f32], c: usize, eps: f32, out: (&mut [f32], &mut [f32], &mut [f32])) {
+    fn each<const AVX2: bool>(
+        x: &[f32],
+        w: &[f32],
+        g: &[f32],
+        c: usize,
+        eps: f32,
+        out: (&mut [f32], &mut [f32], &mut [f32]),
+    ) {
         let (dx, dw, db) = out;
         let mut h = vec![0f32; ROWS * c];
         let whole = x.len() / (ROWS * c) * (ROWS * c);
         let blocks = x[..whole].chunks_exact(ROWS * c).zip(g.chunks_exact(ROWS * c)).zip(dx.chunks_exact_mut(ROWS * c));
         for ((x, g), dx) in blocks {
-            let rstd = rows_f32(x, &mut h, c, eps);
+            let rstd = rows(AVX2, x, &mut h, c, eps);
             let (gs, hs): ([&[f32]; ROWS], [&[f32]; ROWS]) =
                 (std::array::from_fn(|r| &g[r * c..][..c]), std::array::from_fn(|r| &h[r * c..][..c]));
-            let (mut sum_g, mut sum_gx) = ([0f32; ROWS], [0f32; ROWS]);
-            for k in 0..c {
-                for r in 0..ROWS {
-                    sum_g[r] += gs[r][k] * w[k];
-                    sum_gx[r] += gs[r][k] * w[k] * hs[r][k];
-                }
-            }
+            let (sum_g, sum_gx) = sums(AVX2, &gs, &hs, w);
             for (r, dx) in dx.chunks_exact_mut(c).enumerate() {
                 finish_row_f32(hs[r], rstd[r], gs[r], w, (sum_g[r], sum_gx[r]), dx, dw, db);
             }
@@ -205,14 +315,34 @@ fn backward_f32(x: &[f32], w: &[f32], g: &[f32], c: usize, eps: f32) -> (Vec<f32
         true => {
             #[target_feature(enable = "avx2")]
             fn on_avx2(x: &[f32], w: &[f32], g: &[f32], c: usize, eps: f32, out: (&mut [f32], &mut [f32], &mut [f32])) {
-                each(x, w, g, c, eps, out)
+                each::<true>(x, w, g, c, eps, out)
             }
             // SAFETY: the CPU has AVX2 (detected).
             unsafe { on_avx2(x, w, g, c, eps, (&mut dx, &mut dw, &mut db)) }
         }
-        _ => each(x, w, g, c, eps, (&mut dx, &mut dw, &mut db)),
+        _ => each::<false>(x, w, g, c, eps, (&mut dx, &mut dw, &mut db)),
     }
     (dx, dw, db)
+}
+
+/// The backward's two sums of `ROWS` rows: [`backward_sums_avx2`] where
+/// `avx2`, else the same chains one value at a time.
+#[inline(always)]
+fn sums(avx2: bool, gs: &[&[f32]; ROWS], hs: &[&[f32]; ROWS], w: &[f32]) -> ([f32; ROWS], [f32; ROWS]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: only the AVX2 paths pass true, on a CPU with AVX2.
+        return unsafe { backward_sums_avx2(gs, hs, w) };
+    }
+    let _ = avx2;
+    let (mut sum_g, mut sum_gx) = ([0f32; ROWS], [0f32; ROWS]);
+    for k in 0..w.len() {
+        for r in 0..ROWS {
+            sum_g[r] += gs[r][k] * w[k];
+            sum_gx[r] += gs[r][k] * w[k] * hs[r][k];
+        }
+    }
+    (sum_g, sum_gx)
 }
 
 /// The shared forward: per row, x̂ (scaled and shifted into `y`), in f32 or f64.

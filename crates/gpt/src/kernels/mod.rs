@@ -28,6 +28,7 @@ mod pointwise;
 mod softmax;
 
 pub use attention::{Probs, attention, attention_with};
+pub use common::elementwise;
 pub use layer_norm::layer_norm;
 pub use linear::{linear, linear_attention, linear_gelu};
 pub use matmul::{Blocks, Isa, check_env as check_matmul_env, matmul, matmul_on};
