@@ -200,7 +200,7 @@ cluster NODES="2" RATE="1gbit" *CMD: build
     @bash scripts/cluster.sh --nodes {{NODES}} --rate {{RATE}} -- {{CMD}}
 
 # Overlap on a wire as slow as a network (root): lesson 01 with and without DDP's buckets, lesson 03 and
-# ZeRO-3 with and without --prefetch (and two units ahead), ZeRO-2 with and without overlap_comm, on 2
+# ZeRO-3 with and without --prefetch (two units ahead; and one), ZeRO-2 with and without overlap_comm, on 2
 # simulated nodes whose link is shaped to the first of RATES, traced, beside the α–β model's prediction and
 # PyTorch's DDP and FSDP2 (if `just compare-pytorch` installed it); a bucket-size sweep; then ours again at
 # each other rate, and every overlapped configuration against its blocking twin per rate (hidden share,
@@ -223,8 +223,8 @@ overlap RATES="250mbit,100mbit,400mbit,1gbit" *ARGS: build
         cp out/overlap/overlap.txt book/src/generated/overlap.txt
         target/release/fsdp-timeline --out book/src/generated/03-overlap-timeline.svg --step 3 \
             "lesson 03, every collective blocking=out/overlap/runs/lesson_03-0/trace/trace.json" \
-            "lesson 03 --prefetch: the next unit gathered, the last reduce-scattered on the stream=out/overlap/runs/lesson_03_--prefetch-0/trace/trace.json" \
-            "lesson 03 --prefetch --prefetch-depth 2: the next two entries' units gathered=out/overlap/runs/lesson_03_--prefetch-depth_2-0/trace/trace.json"
+            "lesson 03 --prefetch --prefetch-depth 1: the next unit gathered, the last reduce-scattered on the stream=out/overlap/runs/lesson_03_--prefetch-depth_1-0/trace/trace.json" \
+            "lesson 03 --prefetch: the next two entries' units gathered=out/overlap/runs/lesson_03_--prefetch-0/trace/trace.json"
         target/release/fsdp-timeline --out book/src/generated/01-buckets-timeline.svg --step 3 \
             "lesson 01, one all-reduce after the backward=out/overlap/runs/lesson_01_one_all-reduce-0/trace/trace.json" \
             "lesson 01 --bucket-mb 0.1: DDP's buckets in the backward=out/overlap/runs/lesson_01_DDP_buckets-0/trace/trace.json"

@@ -7,7 +7,7 @@ two simulated nodes, one rank each, every link shaped to RATE. The lessons' defa
 1. the α–β fit (`fsdp-alpha-beta`, an all-gather sweep between the two nodes);
 2. every configuration, --reps times, in alternating order, each traced (`--trace`):
    lesson 01 with its one all-reduce and with DDP's buckets (`--bucket-mb`), lesson 03
-   without and with FSDP2's overlap (`--prefetch`, and two units ahead), ZeRO-3 likewise,
+   without and with FSDP2's overlap (`--prefetch`: two units ahead; and one ahead), ZeRO-3 likewise,
    ZeRO-2 without and with DeepSpeed's overlap_comm, and PyTorch's DDP and FSDP2 over
    gloo;
 3. PyTorch's two again with the links unshaped (its compute, to within an unshaped
@@ -41,15 +41,15 @@ OURS = [
     ("lesson 01, DDP buckets", "DDP", "buckets", "step01-data-parallel", ["--bucket-mb", "{bucket}"]),
     ("lesson 03", "FSDP2", "", "step03-layerwise-shard", ["--no-plot"]),
     ("lesson 03 --prefetch", "FSDP2", "fsdp", "step03-layerwise-shard", ["--no-plot", "--prefetch"]),
-    ("lesson 03 --prefetch-depth 2", "FSDP2", "fsdp", "step03-layerwise-shard",
-     ["--no-plot", "--prefetch", "--prefetch-depth", "2"]),
+    ("lesson 03 --prefetch-depth 1", "FSDP2", "fsdp", "step03-layerwise-shard",
+     ["--no-plot", "--prefetch", "--prefetch-depth", "1"]),
     ("ZeRO-3 (fp32)", "FSDP2", "", "step04-optimizer-state-shard", Z3),
     ("ZeRO-3 (fp32) --prefetch", "FSDP2", "fsdp", "step04-optimizer-state-shard", Z3 + ["--prefetch"]),
     ("ZeRO-2 (fp32)", "", "", "step04-optimizer-state-shard", Z2),
     ("ZeRO-2 (fp32) --overlap-comm", "", "buckets", "step04-optimizer-state-shard", Z2 + ["--overlap-comm"]),
 ]
 TWIN = {"lesson 01, DDP buckets": "lesson 01, one all-reduce", "lesson 03 --prefetch": "lesson 03",
-        "lesson 03 --prefetch-depth 2": "lesson 03", "ZeRO-3 (fp32) --prefetch": "ZeRO-3 (fp32)",
+        "lesson 03 --prefetch-depth 1": "lesson 03", "ZeRO-3 (fp32) --prefetch": "ZeRO-3 (fp32)",
         "ZeRO-2 (fp32) --overlap-comm": "ZeRO-2 (fp32)"}
 TORCH = [("DDP", "ddp"), ("FSDP2", "fsdp2")]
 SWEEP = ["0.1", "1", "2", "100"]  # MB: 5, 3, 2 and 1 buckets of the tiny preset's units
@@ -80,8 +80,8 @@ def tc_rate_bytes(rate):
 PAIRS = [  # (label, binary, blocking flags, overlapped flags)
     ("lesson 01, DDP buckets (--bucket-mb 0.1)", "step01-data-parallel", [], ["--bucket-mb", "0.1"]),
     ("lesson 03 --prefetch", "step03-layerwise-shard", ["--no-plot"], ["--no-plot", "--prefetch"]),
-    ("lesson 03 --prefetch-depth 2", "step03-layerwise-shard", ["--no-plot"],
-     ["--no-plot", "--prefetch", "--prefetch-depth", "2"]),
+    ("lesson 03 --prefetch-depth 1", "step03-layerwise-shard", ["--no-plot"],
+     ["--no-plot", "--prefetch", "--prefetch-depth", "1"]),
     ("ZeRO-2 --overlap-comm", "step04-optimizer-state-shard", ["--stage", "2"], ["--stage", "2", "--overlap-comm"]),
     ("ZeRO-3 --prefetch", "step04-optimizer-state-shard", ["--stage", "3"], ["--stage", "3", "--prefetch"]),
 ]

@@ -63,7 +63,7 @@ fn the_tally_explains_the_measured_peak_with_communication_overlapped() {
         ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--sum-groups", "4"]),
         ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--trace", "target/test-out/mem-trace"]),
         ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--check"]),
-        ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--prefetch-depth", "2"]),
+        ("step03-layerwise-shard", &["--no-plot", "--prefetch", "--prefetch-depth", "1"]),
         ("step04-optimizer-state-shard", &["--stage", "1", "--overlap-comm"]),
         ("step04-optimizer-state-shard", &["--stage", "2", "--overlap-comm", "--sum-groups", "4"]),
         ("step04-optimizer-state-shard", &["--stage", "3", "--prefetch"]),

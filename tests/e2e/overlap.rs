@@ -26,8 +26,8 @@ fn run(pkg: &str, n: usize, args: &[&str], name: &str) -> (serde_json::Value, St
 /// Every overlapped schedule gives lesson 01's weights, bit for bit: DDP's
 /// buckets in lessons 01 and 02 at three bucket sizes (every unit its own
 /// bucket, two units, one bucket), with several micro-batches and sum groups
-/// per rank; FSDP2's prefetch in lesson 03 (in fp32; one unit ahead and
-/// three) and ZeRO-3 (in bf16, two ahead);
+/// per rank; FSDP2's prefetch in lesson 03 (in fp32; two units ahead, its
+/// default, and one and three) and ZeRO-3 (in bf16, one ahead);
 /// overlap_comm in ZeRO-1 and 2 (bf16) — at 1, 2 and 4 ranks; the buckets
 /// at 3 as well.
 #[test]
@@ -45,6 +45,7 @@ fn every_overlapped_schedule_equals_lesson_01() {
             ("step03-layerwise-shard", &["--prefetch", "--no-plot"]),
             ("step03-layerwise-shard", &["--prefetch", "--no-plot", "--blocks-per-unit", "3", "--sum-groups", "12"]),
             ("step03-layerwise-shard", &["--prefetch", "--prefetch-depth", "3", "--no-plot"]),
+            ("step03-layerwise-shard", &["--prefetch", "--prefetch-depth", "1", "--no-plot"]),
         ] {
             let args: Vec<&str> = FAST.iter().chain(extra).copied().collect();
             let name = format!("ov-{pkg}-{n}-{}", extra.join(""));
@@ -54,7 +55,7 @@ fn every_overlapped_schedule_equals_lesson_01() {
         }
         for stage in ["1", "2", "3"] {
             let flags: &[&str] =
-                if stage == "3" { &["--prefetch", "--prefetch-depth", "2"] } else { &["--overlap-comm"] };
+                if stage == "3" { &["--prefetch", "--prefetch-depth", "1"] } else { &["--overlap-comm"] };
             let args: Vec<&str> = FAST.iter().chain(&["--stage", stage]).chain(flags).copied().collect();
             let (r, _) = run("step04-optimizer-state-shard", n, &args, &format!("ov-04-bf16-{stage}-{n}"));
             assert_eq!(r["weights_digest"].as_str(), Some(bf16.as_str()), "ZeRO-{stage} {flags:?} bf16 at {n} ranks");
@@ -112,14 +113,15 @@ fn the_stream_reports_what_it_hid_and_what_it_cost() {
 }
 
 /// A Chrome trace of spans with lanes; every collective in it carries the
-/// bytes the traffic table counts, and under --prefetch the next unit's
-/// all-gather begins while the current unit computes.
+/// bytes the traffic table counts; under --prefetch the next two entries'
+/// all-gathers are handed over while the current unit computes, and under
+/// --prefetch-depth 1 the next one's.
 #[test]
 fn traces_show_what_ran_when() {
     for (pkg, extra, name) in [
-        ("step03-layerwise-shard", &["--prefetch", "--no-plot"][..], "ov-trace-03"),
+        ("step03-layerwise-shard", &["--prefetch", "--prefetch-depth", "1", "--no-plot"][..], "ov-trace-03-depth-1"),
         ("step03-layerwise-shard", &["--no-plot"], "ov-trace-03-blocking"),
-        ("step03-layerwise-shard", &["--prefetch", "--prefetch-depth", "2", "--no-plot"], "ov-trace-03-depth-2"),
+        ("step03-layerwise-shard", &["--prefetch", "--no-plot"], "ov-trace-03"),
         ("step01-data-parallel", &["--bucket-mb", "0.1"], "ov-trace-01"),
         ("step04-optimizer-state-shard", &["--stage", "2", "--overlap-comm"], "ov-trace-04"),
     ] {
@@ -145,7 +147,7 @@ fn traces_show_what_ran_when() {
         }
         let svg = std::fs::read_to_string(dir.join("timeline.svg")).unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("rank 1 · comm"), "{name}: timeline.svg");
-        if name == "ov-trace-03" {
+        if name == "ov-trace-03-depth-1" {
             // The structure of prefetch: the next unit's all-gather is handed to the
             // stream before this unit's compute ends — forward (h.i, then h.i+1) and
             // backward (h.i, then h.i−1). When the stream starts it depends on what is
@@ -175,8 +177,8 @@ fn traces_show_what_ran_when() {
                 }
             }
         }
-        if name == "ov-trace-03-depth-2" {
-            // Two entries ahead: in the backward, the unit two below is handed to the
+        if name == "ov-trace-03" {
+            // Two entries ahead (--prefetch's default): in the backward, the unit two below is handed to the
             // stream before this unit's backward ends; and the last block's gather for
             // its backward before the head begins, across the head.
             for step in 1..=3 {
@@ -208,6 +210,43 @@ fn traces_show_what_ran_when() {
                 );
             }
         }
+    }
+}
+
+/// `--prefetch` reaches two entries ahead unless memory allows only one:
+/// with `--mem-budget` between the tally's peaks at one and at two ahead,
+/// lesson 03 and ZeRO-3 say so in their config, gather one ahead (the
+/// tally's peak is one-ahead's), fit the budget and give the same bits; the
+/// same budget with `--prefetch-depth 2` keeps the depth asked for and runs
+/// out of memory, in one line.
+#[test]
+fn prefetch_reaches_two_ahead_where_memory_allows() {
+    for (pkg, extra) in
+        [("step03-layerwise-shard", &["--no-plot"][..]), ("step04-optimizer-state-shard", &["--stage", "3"])]
+    {
+        let args =
+            |flags: &[&str]| -> Vec<String> { FAST.iter().chain(extra).chain(flags).map(|a| a.to_string()).collect() };
+        let go = |flags: &[&str], name: &str| {
+            let a = args(flags);
+            run(pkg, 2, &a.iter().map(String::as_str).collect::<Vec<_>>(), &format!("ov-reach-{pkg}-{name}"))
+        };
+        let peak = |r: &serde_json::Value| r["tally_expected_peak_bytes"].as_u64().unwrap();
+        let (two, out) = go(&["--prefetch"], "default");
+        assert!(out.contains("on: the next 2 entries' units gathered"), "{pkg}: {out}");
+        let (one, out) = go(&["--prefetch", "--prefetch-depth", "1"], "one");
+        assert!(out.contains("on: the next unit gathered") && !out.contains("--mem-budget)"), "{pkg}: {out}");
+        assert!(peak(&two) > peak(&one), "{pkg}: a second unit in flight raises the tally's peak");
+        let budget = format!("{}B", (peak(&one) + peak(&two)) / 2);
+        let (lowered, out) = go(&["--prefetch", "--mem-budget", &budget], "lowered");
+        assert!(out.contains("on: the next unit gathered, the last reduce-scattered on the communication stream (two would take the tally's peak past --mem-budget)"), "{pkg}: {out}");
+        assert_eq!(peak(&lowered), peak(&one), "{pkg}: one ahead, tallied as one");
+        assert_eq!(lowered["weights_digest"], two["weights_digest"], "{pkg}: the same bits");
+        let a = args(&["--prefetch", "--prefetch-depth", "2", "--mem-budget", &budget]);
+        let (o, _) =
+            mpirun(pkg, 2, &a.iter().map(String::as_str).collect::<Vec<_>>(), &format!("ov-reach-{pkg}-given"));
+        let (code, lines) = failure(&o);
+        assert_eq!(code, 2, "{pkg}: {lines:?}");
+        assert!(lines.len() == 1 && lines[0].starts_with("error: out of memory"), "{pkg}: {lines:?}");
     }
 }
 

@@ -16,8 +16,8 @@
 //! re-gathers the weights, **recomputes** the unit's forward from the saved
 //! input, backpropagates the upstream gradient through it and
 //! **reduce-scatters** the unit's gradient, so each rank keeps 1/N of it.
-//! Only one unit is ever unsharded (two with `--prefetch`, 1 + K with
-//! `--prefetch-depth K`).
+//! Only one unit is ever unsharded (1 + K with `--prefetch`, which gathers
+//! the next K entries' units ahead: two, or `--prefetch-depth K`).
 //!
 //! The tied `wte` gets its lm_head part at the head and its embedding part
 //! at the very end, combined the way candle's whole-graph backward combines
@@ -155,8 +155,8 @@ pub fn schedule(block_units: usize, head: HeadGrad) -> Vec<Phase> {
 
 // ANCHOR: gathered_ahead
 /// The entries of `plan` whose all-gathers are in flight on the stream
-/// while entry `at` computes, `depth` entries ahead (`--prefetch`: 1;
-/// `--prefetch-depth K`: K; 0 without prefetch): of the next `depth`
+/// while entry `at` computes, `depth` entries ahead (`--prefetch`: 2, or 1
+/// where memory does not allow two; `--prefetch-depth K`: K; 0 without prefetch): of the next `depth`
 /// entries, those that need weights (the embedding's backward does not).
 /// The step hands them over; the tally counts their buffers.
 pub fn gathered_ahead(plan: &[Phase], at: usize, depth: usize) -> impl Iterator<Item = usize> + '_ {
@@ -164,28 +164,51 @@ pub fn gathered_ahead(plan: &[Phase], at: usize, depth: usize) -> impl Iterator<
 }
 // ANCHOR_END: gathered_ahead
 
-/// The config table's line for the entries gathered ahead.
-pub fn describe_prefetch(depth: usize) -> String {
+/// How far `--prefetch` reaches unless `--prefetch-depth` says: the units
+/// of the next two entries, memory allowing ([`crate::tally::prefetch_within_budget`]).
+/// One ahead (FSDP2's implicit prefetch) leaves the wire idle wherever an
+/// entry's compute outlasts the next gather with nothing else to send: while
+/// the last block's forward runs (only the root's small gather is next), and
+/// through the first backward entry (no gradient is ready to reduce-scatter
+/// yet). A second gather in flight fills those gaps, for one more unit
+/// unsharded (FSDP1 capped the gathers in flight at two, `limit_all_gathers`).
+pub const DEFAULT_PREFETCH_DEPTH: usize = 2;
+
+/// `--prefetch` and `--prefetch-depth` as the command line gives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefetch {
+    /// Entries gathered ahead: 0 without `--prefetch`, K with `--prefetch-depth K`, else
+    /// [`DEFAULT_PREFETCH_DEPTH`] (which the budget may lower).
+    pub depth: usize,
+    /// Whether `--prefetch-depth` set it: then it is kept as given.
+    pub given: bool,
+}
+
+/// The config table's line for the entries gathered ahead: `depth`, the
+/// one in use, and what was `asked` for.
+pub fn describe_prefetch(depth: usize, asked: Prefetch) -> String {
+    let lowered = if depth < asked.depth { " (two would take the tally's peak past --mem-budget)" } else { "" };
     match depth {
         0 => "off".into(),
-        1 => "on: the next unit gathered, the last reduce-scattered on the communication stream".into(),
+        1 => format!("on: the next unit gathered, the last reduce-scattered on the communication stream{lowered}"),
         k => format!("on: the next {k} entries' units gathered, the last reduce-scattered on the communication stream"),
     }
 }
 
 /// The entries gathered ahead for `--prefetch` and `--prefetch-depth K`:
-/// 0 without prefetch, 1 by default, K when given; K without `--prefetch`,
-/// or 0, is refused in one line.
-pub fn prefetch_depth(prefetch: bool, depth: Option<usize>) -> anyhow::Result<usize> {
+/// none without prefetch, K when given, [`DEFAULT_PREFETCH_DEPTH`] else; K
+/// without `--prefetch`, or 0, is refused in one line.
+pub fn prefetch_depth(prefetch: bool, depth: Option<usize>) -> anyhow::Result<Prefetch> {
     match (prefetch, depth) {
-        (false, None) => Ok(0),
+        (false, None) => Ok(Prefetch { depth: 0, given: false }),
         (false, Some(k)) => anyhow::bail!("--prefetch-depth {k} sets how far --prefetch reaches: add --prefetch"),
         (true, Some(0)) => {
             anyhow::bail!(
-                "--prefetch-depth 0: pass 1 or more units ahead (1 is --prefetch's default), or leave out --prefetch"
+                "--prefetch-depth 0: pass 1 or more units ahead ({DEFAULT_PREFETCH_DEPTH} is --prefetch's default), or leave out --prefetch"
             )
         }
-        (true, k) => Ok(k.unwrap_or(1)),
+        (true, Some(k)) => Ok(Prefetch { depth: k, given: true }),
+        (true, None) => Ok(Prefetch { depth: DEFAULT_PREFETCH_DEPTH, given: false }),
     }
 }
 
@@ -213,7 +236,7 @@ pub struct LayerwiseShard {
     pub units: Vec<FsdpUnit>,
     /// FSDP2's overlap (`--prefetch`, with the world's communication stream
     /// started): each unit's all-gather handed to the stream while the
-    /// entries before it compute, this many entries ahead (0: off, 1:
+    /// entries before it compute, this many entries ahead (0: off, 2:
     /// `--prefetch`, K: `--prefetch-depth K`), forward and backward, and
     /// each reduce-scatter handed to it while the next unit's backward runs.
     pub prefetch: usize,
@@ -453,9 +476,11 @@ mod tests {
 
     #[test]
     fn the_prefetch_depth_needs_prefetch_and_one_unit_or_more() {
-        assert_eq!(prefetch_depth(false, None).unwrap(), 0);
-        assert_eq!(prefetch_depth(true, None).unwrap(), 1);
-        assert_eq!(prefetch_depth(true, Some(2)).unwrap(), 2);
+        let depth = |p, d| prefetch_depth(p, d).map(|p| (p.depth, p.given)).unwrap();
+        assert_eq!(depth(false, None), (0, false));
+        assert_eq!(depth(true, None), (DEFAULT_PREFETCH_DEPTH, false), "the default, which the budget may lower");
+        assert_eq!(depth(true, Some(1)), (1, true));
+        assert_eq!(depth(true, Some(2)), (2, true));
         assert!(prefetch_depth(false, Some(2)).unwrap_err().to_string().contains("add --prefetch"));
         assert!(prefetch_depth(true, Some(0)).unwrap_err().to_string().contains("pass 1 or more"));
     }

@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! just step 03                      # 2 ranks: tally, unsharded peak, memory timeline
-//! just step 03 4 --prefetch         # the next unit's all-gather overlaps compute
-//! just step 03 2 --prefetch --prefetch-depth 2   # the next two units'
+//! just step 03 4 --prefetch         # the next two units' all-gathers overlap compute
+//! just step 03 2 --prefetch --prefetch-depth 1   # only the next unit's
 //! just step 03 2 --blocks-per-unit 2 --check
 //! ```
 
@@ -17,7 +17,7 @@ use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
-use step03_layerwise_shard::tally::{bytes_per_step, lower_peak, tally, unsharded_peak_table};
+use step03_layerwise_shard::tally::{bytes_per_step, prefetch_within_budget, tally, unsharded_peak_table};
 use step03_layerwise_shard::units::{UnitPolicy, build_units, reserve_receive_buffers};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp};
 
@@ -28,13 +28,15 @@ const LESSON: Lesson =
 struct Args {
     #[command(flatten)]
     train: TrainArgs,
-    /// Start the next unit's all-gather (non-blocking) while computing this one.
+    /// Start the next units' all-gathers (non-blocking, on a communication
+    /// thread) while computing this one, and reduce-scatter there: FSDP2's
+    /// overlap. Two entries ahead, or one where two would pass --mem-budget.
     #[arg(long)]
     prefetch: bool,
     /// With --prefetch: gather the units of the next K entries of the
-    /// schedule ahead, not only the next one's (FSDP2's explicit prefetch of
-    /// several modules): the wire stays busy where a unit computes for less
-    /// than the next gather takes, for K more units unsharded (the tally counts them).
+    /// schedule ahead (default 2; FSDP2 prefetches 1 implicitly, more on
+    /// request): the wire stays busy where a unit computes for longer than
+    /// the next gather takes, for K more units unsharded (the tally counts them).
     #[arg(long, allow_negative_numbers = true, value_name = "K")]
     prefetch_depth: Option<usize>,
     /// Transformer blocks per FSDP unit (in PyTorch, the modules fully_shard wraps): more blocks,
@@ -89,8 +91,8 @@ fn main() -> ExitCode {
             },
         )?;
         hsdp::check(&s, args.hsdp)?;
-        let prefetch = step03_layerwise_shard::layerwise_shard::prefetch_depth(args.prefetch, args.prefetch_depth);
-        let prefetch = fsdp_harness::edge::agree(world, prefetch)?;
+        let asked = step03_layerwise_shard::layerwise_shard::prefetch_depth(args.prefetch, args.prefetch_depth);
+        let asked = fsdp_harness::edge::agree(world, asked)?;
         if args.prefetch {
             // FSDP2's streams: a communication thread of its own, started on every rank together.
             s.start_stream()?;
@@ -99,10 +101,10 @@ fn main() -> ExitCode {
         let policy = UnitPolicy { overlap: args.prefetch, hsdp: args.hsdp, ..UnitPolicy::default() };
         let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, policy)?;
         let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
-        let head_grad = args.head_grad.unwrap_or_else(|| lower_peak(&s, &units, prefetch));
+        let (prefetch, head_grad) = prefetch_within_budget(&s, &units, asked, args.head_grad); // the same on every rank
         s.print_config(&[
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
-            ("prefetch", step03_layerwise_shard::layerwise_shard::describe_prefetch(prefetch)),
+            ("prefetch", step03_layerwise_shard::layerwise_shard::describe_prefetch(prefetch, asked)),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
             ("tied wte's gradient", head_grad.describe(s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size)),
             (

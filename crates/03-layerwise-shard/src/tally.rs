@@ -8,7 +8,7 @@ use fsdp_harness::session::{pass_rows, widen_row};
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
-use crate::layerwise_shard::{HeadGrad, gathered_ahead, schedule};
+use crate::layerwise_shard::{HeadGrad, Prefetch, gathered_ahead, schedule};
 use crate::units::{FsdpUnit, in_flight_part, receive_buffers};
 
 // ANCHOR: tally
@@ -287,6 +287,30 @@ pub fn lower_peak(s: &Session, units: &[FsdpUnit], prefetch: usize) -> HeadGrad 
     if peak(HeadGrad::Recompute) < peak(HeadGrad::Keep) { HeadGrad::Recompute } else { HeadGrad::Keep }
 }
 // ANCHOR_END: head_grad_choice
+
+// ANCHOR: prefetch_within_budget
+/// How far `--prefetch` reaches, and the [`HeadGrad`] at that reach
+/// (`head`: `--head-grad`, else [`lower_peak`]'s). A depth given with
+/// `--prefetch-depth` is kept; the default, two entries ahead, is lowered to
+/// one where the tally's peak with two would pass `--mem-budget` and with
+/// one would not — memory allowing, as FSDP1's `limit_all_gathers` and
+/// DeepSpeed's `stage3_max_live_parameters` bound the units in flight.
+pub fn prefetch_within_budget(
+    s: &Session,
+    units: &[FsdpUnit],
+    asked: Prefetch,
+    head: Option<HeadGrad>,
+) -> (usize, HeadGrad) {
+    let at = |depth| (depth, head.unwrap_or_else(|| lower_peak(s, units, depth)));
+    let peak = |(depth, head)| tally(s, units, depth, head).expected_peak_bytes();
+    match s.args.mem_budget {
+        Some(budget) if !asked.given && asked.depth > 1 && peak(at(asked.depth)) > budget && peak(at(1)) <= budget => {
+            at(1)
+        }
+        _ => at(asked.depth),
+    }
+}
+// ANCHOR_END: prefetch_within_budget
 
 /// The unsharded peak: the largest unit (× 1 + the most gathered ahead at
 /// once under `--prefetch`) against lesson 02's whole model.

@@ -41,12 +41,13 @@ struct Args {
     #[arg(long, default_value = "bf16", value_parser = |s: &str| s.parse::<Precision>())]
     precision: Precision,
     /// Stage 3: FSDP2's overlap (lesson 03's --prefetch): a communication
-    /// thread gathers the next unit while this one computes, forward and
-    /// backward, and reduce-scatters each unit while the next unit's backward runs.
+    /// thread gathers the next units (two, or one where two would pass
+    /// --mem-budget) while this one computes, forward and backward, and
+    /// reduce-scatters each unit while the next unit's backward runs.
     #[arg(long)]
     prefetch: bool,
     /// Stage 3, with --prefetch: gather the units of the next K entries of
-    /// lesson 03's schedule ahead (lesson 03's --prefetch-depth).
+    /// lesson 03's schedule ahead (default 2; lesson 03's --prefetch-depth).
     #[arg(long, allow_negative_numbers = true, value_name = "K")]
     prefetch_depth: Option<usize>,
     /// Stages 1 and 2: DeepSpeed's overlap_comm — a communication thread
@@ -104,7 +105,7 @@ fn main() -> ExitCode {
             },
         )?;
         hsdp::check(&s, args.hsdp)?;
-        let prefetch = fsdp_harness::edge::agree(world, prefetch_depth(args.prefetch, args.prefetch_depth))?;
+        let asked = fsdp_harness::edge::agree(world, prefetch_depth(args.prefetch, args.prefetch_depth))?;
         if args.prefetch || args.overlap_comm {
             // FSDP2's streams, DeepSpeed's overlap_comm: a communication thread of its own, on every rank.
             s.start_stream()?;
@@ -118,7 +119,7 @@ fn main() -> ExitCode {
             start,
             args.stage,
             args.precision,
-            (prefetch, args.overlap_comm), // each refused where it does not apply
+            (asked, args.overlap_comm), // each refused where it does not apply
             args.recompute,
             args.head_grad,
             args.hsdp,
@@ -132,7 +133,7 @@ fn main() -> ExitCode {
             ),
             ("gradient reduce dtype", "fp32, summed as a fixed pairwise tree".to_string()),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
-            ("prefetch", describe_prefetch(prefetch)),
+            ("prefetch", describe_prefetch(zero.fsdp.prefetch, asked)),
             (
                 "tied wte's gradient",
                 match args.stage {

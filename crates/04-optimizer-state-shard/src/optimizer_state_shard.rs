@@ -24,7 +24,8 @@ use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
-use step03_layerwise_shard::tally::lower_peak;
+use step03_layerwise_shard::layerwise_shard::Prefetch;
+use step03_layerwise_shard::tally::prefetch_within_budget;
 use step03_layerwise_shard::units::{
     FsdpUnit, UnitPolicy, build_units, one_in_flight, reserve_receive_buffers, update_all,
 };
@@ -52,13 +53,13 @@ impl OptimizerStateShard {
         start: Start,
         stage: u8,
         precision: Precision,
-        (prefetch, overlap_comm): (usize, bool), // stage 3's units gathered ahead; stages 1 and 2's overlap_comm
+        (asked, overlap_comm): (Prefetch, bool), // stage 3's units gathered ahead; stages 1 and 2's overlap_comm
         recompute: bool,
         head_grad: Option<HeadGrad>,
         hsdp: Option<usize>, // `--hsdp S`: sharded within shard groups of S ranks (lesson 03's)
     ) -> anyhow::Result<Self> {
         // Overlap: FSDP2's at stage 3 (`--prefetch`), DeepSpeed's `overlap_comm` at 1 and 2.
-        let (prefetch, overlap_comm) = (if stage == 3 { prefetch } else { 0 }, overlap_comm && stage < 3);
+        let (prefetch, overlap_comm) = (if stage == 3 { asked.depth } else { 0 }, overlap_comm && stage < 3);
         let overlap = prefetch > 0 || overlap_comm;
         // Stages 1 and 2 keep each unit's compute copy unsharded from step to
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
@@ -68,10 +69,11 @@ impl OptimizerStateShard {
         let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
         drop(start); // my shards are read: the start's source goes
         reserve_receive_buffers(s, &units, overlap); // on the stream's thread when it reduces
-        // Stage 3 runs lesson 03's schedule: what waits for the tied wte (lesson 03's default).
-        let head_grad = match stage {
-            3 => head_grad.unwrap_or_else(|| lower_peak(s, &units, prefetch)),
-            _ => HeadGrad::Keep, // unused: stages 1 and 2 run their own schedules
+        // Stage 3 runs lesson 03's schedule: how far it prefetches, memory
+        // allowing, and what waits for the tied wte (lesson 03's defaults).
+        let (prefetch, head_grad) = match stage {
+            3 => prefetch_within_budget(s, &units, Prefetch { depth: prefetch, ..asked }, head_grad),
+            _ => (0, HeadGrad::Keep), // unused: stages 1 and 2 run their own schedules
         };
         Ok(Self { stage, recompute, overlap_comm, fsdp: LayerwiseShard { units, prefetch, head_grad } })
     }
