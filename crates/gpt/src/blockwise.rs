@@ -1,6 +1,7 @@
-//! Forward and backward one block at a time: the mechanism behind
-//! `--recompute` (activation checkpointing) and behind ZeRO-2's backward,
-//! which hands each block's gradient on as soon as it exists.
+//! Forward and backward one block at a time: every lesson's backward but
+//! lesson 03's units — the mechanism behind `--recompute` (activation
+//! checkpointing) and behind ZeRO-2's backward, which hands each block's
+//! gradient on as soon as it exists.
 //!
 //! One micro-batch, whole model resident:
 //!
@@ -9,16 +10,21 @@
 //! backward  h.L−1 → … → h.0 → the embedding's backward
 //! ```
 //!
-//! Each block's input is made a `Var` (a copy), so each block has a graph of
-//! its own that ends at its input: `sum(out · g)` pulled back through it
-//! gives the block's parameter gradients and `g` for the block before. With
-//! `recompute` the forward keeps only each block's input and rebuilds its
-//! graph just before its backward (one block's activations at a time, for
-//! one more forward); without, it keeps every block's graph, and frees each
-//! once its backward is done. Either way every gradient has exactly the bits
-//! of one whole-graph `loss.backward()`: the same ops, the same order (the
-//! tied `wte` is completed as candle completes it: its lm_head part, then
-//! the token rows index-added onto it).
+//! Each block runs on a tape ([`crate::model::Gpt::block_taped`]): its fused
+//! ops outside candle's graph, each kept with what its backward needs, so
+//! that the block's backward is the project's own — the ops' backwards in
+//! reverse, each gradient handed straight to the op before, where candle's
+//! `backward` would first add it to a tensor of zeros in its GradStore.
+//! Pulling `g` back through a tape gives the block's parameter gradients
+//! and `g` for the block before. With `recompute` the forward keeps only
+//! each block's input and runs the block again on a tape just before its
+//! backward (one block's activations at a time, for one more forward);
+//! without, it keeps every block's tape, and frees each once its backward is
+//! done. The head and the loss, and the embedding, go through candle's
+//! autograd. Either way every gradient has exactly the bits of one
+//! whole-graph `loss.backward()`: the same ops, the same order (the tied
+//! `wte` is completed as candle completes it: its lm_head part, then the
+//! token rows index-added onto it).
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
@@ -93,28 +99,26 @@ pub fn forward_backward_marked(
     mut on_unit: impl FnMut(Unit, Vec<(usize, Tensor)>) -> Result<()>,
 ) -> Result<f32> {
     let detached: Vec<Tensor> = params.iter().map(|v| v.as_detached_tensor()).collect(); // no graph
-    let tracked: Vec<Tensor> = params.iter().map(|v| v.as_tensor().clone()).collect();
+    let tracked: Vec<Tensor> = params.iter().map(|v| v.as_tensor().clone()).collect(); // the head's graph
     let n_layer = gpt.cfg.n_layer;
     let block = |i: usize| 2 + i * PARAMS_PER_BLOCK..2 + (i + 1) * PARAMS_PER_BLOCK;
-    // A block's forward from its input made a Var: (the Var, the output with its graph).
-    let run_block = |i: usize, x: &Tensor| -> Result<(Var, Tensor)> {
-        let xv = Var::from_tensor(x)?; // a copy: the graph ends here
-        let y = gpt.block(&tracked[block(i)], xv.as_tensor())?;
-        Ok((xv, y))
-    };
 
     // Forward: the embedding without a graph (its backward needs no activations).
     let mut x = gpt.embed(&detached[0], &detached[1], &batch.inputs)?; // (B, T, C)
-    let (mut saved, mut graphs) = (vec![], vec![]);
+    let (mut saved, mut tapes) = (vec![], vec![]);
     for i in 0..n_layer {
-        if recompute {
-            let y = gpt.block(&detached[block(i)], &x)?; // no graph: keep the input only
-            saved.push(std::mem::replace(&mut x, y));
-        } else {
-            let (xv, y) = run_block(i, &x)?;
-            x = y.detach(); // the next block's input; this block keeps its graph
-            graphs.push((xv, y));
-        }
+        x = match recompute {
+            true => {
+                let y = gpt.block(&detached[block(i)], &x)?; // no graph, no tape: keep the input only
+                saved.push(x);
+                y
+            }
+            false => {
+                let (y, tape) = gpt.block_taped(&detached[block(i)], &x)?; // the tape keeps what backward needs
+                tapes.push(tape);
+                y
+            }
+        };
     }
 
     on_mark(Mark::Forward);
@@ -134,17 +138,16 @@ pub fn forward_backward_marked(
     drop((grads, loss, logits, xv));
     on_mark(Mark::Head);
 
-    // The blocks, last first: pull g back through each, hand its gradients on.
+    // The blocks, last first: pull g back through each tape, hand its gradients on.
     for i in (0..n_layer).rev() {
-        let (xv, y) = match recompute {
-            true => run_block(i, &saved.pop().ok_or_else(|| missing("a saved input"))?)?,
-            false => graphs.pop().ok_or_else(|| missing("a block's graph"))?,
+        let tape = match recompute {
+            true => gpt.block_taped(&detached[block(i)], &saved.pop().ok_or_else(|| missing("a saved input"))?)?.1,
+            false => tapes.pop().ok_or_else(|| missing("a block's tape"))?,
         };
-        let grads = (y * &g)?.sum_all()?.backward()?;
-        let mine = block(i).map(|p| Ok((p, get(&grads, &tracked[p], "a block parameter")?))).collect::<Result<_>>()?;
-        g = get(&grads, xv.as_tensor(), "a block's input")?;
-        drop(grads); // the block's graph goes with it
-        on_unit(Unit::Block(i), mine)?;
+        let (dx, grads) = tape.backward(&g)?;
+        drop(tape); // the block's activations go with it
+        g = dx;
+        on_unit(Unit::Block(i), block(i).zip(grads).collect())?;
     }
 
     // The embedding's backward: stand-in Vars for the looked-up rows and wpe

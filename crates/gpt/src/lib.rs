@@ -26,8 +26,8 @@
 //! | [`params`] | the parameter order, nanoGPT names, flat layout, deterministic init |
 //! | [`kernels`] | our own matmul: the same bits on every machine (candle's depends on the CPU) |
 //! | [`model`] | the forward pass, also one unit (embedding, block, head) at a time |
-//! | [`blockwise`] | forward and backward block by block, with or without recompute: the same bits as one backward |
-//! | [`memory`] | what a forward/backward pass holds, from shapes: candle's backward replayed op by op |
+//! | [`blockwise`] | forward and backward block by block, each block's backward the project's own (a tape of its fused ops), with or without recompute: the same bits as one backward |
+//! | [`memory`] | what a forward/backward pass holds, from shapes: candle's backward, or a tape's, replayed op by op |
 //! | [`data`] | the generated default corpus, the vocabulary, the world-size-invariant sampler |
 //! | [`adamw`] | AdamW over flat `f32` slices, `torch.optim.AdamW` semantics |
 //! | [`weights_file`] | the weights as one safetensors file with nanoGPT's names and layouts |

@@ -416,6 +416,18 @@ impl Graph {
     /// Replays candle's backward from `root` (a scalar): the activations the
     /// graph holds, the most the backward adds on top, what it leaves behind.
     pub fn backward(&self, root: T) -> Footprint {
+        self.replay(root, false)
+    }
+
+    /// Replays a tape's backward ([`crate::model::BlockTape`]) from `root`,
+    /// whose gradient comes from outside (not counted): candle's order and
+    /// rules, but each tensor's first gradient is held as it is, not added
+    /// into zeros (the GradStore's `0 + g`).
+    pub fn backward_taped(&self, root: T) -> Footprint {
+        self.replay(root, true)
+    }
+
+    fn replay(&self, root: T, taped: bool) -> Footprint {
         let mut b = Backward {
             g: self,
             grads: HashMap::new(),
@@ -424,9 +436,11 @@ impl Graph {
             live: 0,
             peak: 0,
             var_at_peak: 0,
+            taped,
         };
-        let ones = b.make(self.nodes[root.0].bytes(), &[]); // ones_like(loss)
-        b.grads.insert(root.0, ones);
+        // ones_like(loss), or the upstream gradient the tape is handed
+        let seed = b.make(if taped { 0 } else { self.nodes[root.0].bytes() }, &[]);
+        b.grads.insert(root.0, seed);
         for i in self.sorted(root) {
             let node = &self.nodes[i];
             if node.var {
@@ -519,6 +533,8 @@ struct Backward<'g> {
     peak: usize,
     /// The `Var`s' gradients in the store when `peak` was reached.
     var_at_peak: usize,
+    /// A tape's backward: a first gradient is held as it is (no `0 + g`).
+    taped: bool,
 }
 
 impl Backward<'_> {
@@ -610,10 +626,19 @@ impl Backward<'_> {
         self.drop_(old);
     }
 
-    /// `or_insert` then `add`: the common accumulate.
+    /// `or_insert` then `add`: the common accumulate. On a tape, a first
+    /// gradient is held as it is, and only a second one makes a sum.
     fn acc(&mut self, i: usize, t: Src) {
-        self.or_insert(i);
-        self.add_into(i, t);
+        match (self.taped, t) {
+            (true, Src::New(t)) if !self.grads.contains_key(&i) => {
+                self.made[t].refs += 1;
+                self.grads.insert(i, t);
+            }
+            _ => {
+                self.or_insert(i);
+                self.add_into(i, t);
+            }
+        }
     }
 
     /// Each of an op's gradients `made` added onto its argument's sum, in
@@ -943,6 +968,20 @@ impl ModelShapes {
         let p: Vec<T> = ParamTable::block_shapes(c).iter().map(|s| g.var(s, self.elem)).collect();
         let y = self.block(&mut g, &p, x);
         g.activations(y)
+    }
+
+    /// One block run on a tape ([`crate::model::Gpt::block_taped`]) from an
+    /// input the block before made, and its backward from an upstream
+    /// gradient likewise made elsewhere: what the tape keeps (the block's
+    /// graph, its output among it), what its backward holds on top, and the
+    /// gradients it returns (the input's and the parameters').
+    pub fn block_taped(&self, (b, t): (usize, usize)) -> Footprint {
+        let mut g = Graph::new();
+        let c = self.cfg.n_embd;
+        let x = g.var(&[b, t, c], self.elem);
+        let p: Vec<T> = ParamTable::block_shapes(c).iter().map(|s| g.var(s, self.elem)).collect();
+        let y = self.block(&mut g, &p, x);
+        g.backward_taped(y)
     }
 
     /// `blocks` blocks recomputed from a saved input made a `Var`, and the

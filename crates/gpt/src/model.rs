@@ -121,6 +121,24 @@ impl Gpt {
         Ok((&x + linear(&h, &p[10], &p[11])?)?)
     }
 
+    // ANCHOR: block_taped
+    /// [`Gpt::block`] outside candle's graph, each fused op kept on a tape
+    /// for [`BlockTape::backward`]: the output, and the tape. `p` and `x`
+    /// carry no graph (detached tensors). (B, T, C) → (B, T, C).
+    pub fn block_taped(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, BlockTape)> {
+        use kernels::tape;
+        assert_eq!(p.len(), PARAMS_PER_BLOCK, "a block has {PARAMS_PER_BLOCK} parameter tensors");
+        let (h, ln_1) = tape::layer_norm(x, &p[0], &p[1], LN_EPS)?;
+        let (y, attn) = tape::linear_attention(&h, &p[2], &p[3], self.cfg.n_head, self.probs)?; // c_attn, the heads
+        let (a, attn_proj) = tape::linear(&y, &p[4], &p[5])?;
+        let x = (x + a)?;
+        let (h, ln_2) = tape::layer_norm(&x, &p[6], &p[7], LN_EPS)?;
+        let (h, fc) = tape::linear_gelu(&h, &p[8], &p[9])?; // (B, T, 4C)
+        let (m, mlp_proj) = tape::linear(&h, &p[10], &p[11])?;
+        Ok(((&x + m)?, BlockTape { ops: [ln_1, attn, attn_proj, ln_2, fc, mlp_proj] }))
+    }
+    // ANCHOR_END: block_taped
+
     /// Causal self-attention. `p` = c_attn.{weight,bias}, c_proj.{weight,bias}.
     fn attention(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         // c_attn: qkv (B, T, 3C), q, k, v side by side, heads side by side in each; then per head
@@ -149,6 +167,43 @@ impl Gpt {
         self.head(&params[ln.start], &params[ln.start + 1], &params[0], &x)
     }
 }
+
+// ANCHOR: block_tape
+/// A block's six fused ops as [`Gpt::block_taped`] ran them, for a backward
+/// the project runs itself: each op's backward in reverse order, its input
+/// gradient handed straight to the op before it — not into candle's
+/// GradStore, which would add it to a tensor of zeros first
+/// ([`crate::kernels::tape`]). The bits of candle's backward of [`Gpt::block`].
+pub struct BlockTape {
+    /// ln_1, c_attn + attention, attention's c_proj, ln_2, c_fc + GELU, the MLP's c_proj.
+    ops: [crate::kernels::tape::Taped; 6],
+}
+
+impl BlockTape {
+    /// From `g`, the gradient of the block's output (B, T, C): its input's
+    /// gradient and its 12 parameters' gradients in table order.
+    pub fn backward(&self, g: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
+        let [ln_1, attn, attn_proj, ln_2, fc, mlp_proj] = &self.ops;
+        // Each gradient is dropped once the op before has read it, as candle's backward drops
+        // a node's gradient after its rule. out = x + m: g is m's gradient, and one of x's two.
+        let [dm, dw_proj, db_proj] = mlp_proj.backward(g)?; // (B, T, 4C)
+        let [dh, dw_fc, db_fc] = fc.backward(&dm)?; // through GELU and c_fc: (B, T, C)
+        drop(dm);
+        let [dx, dw_ln2, db_ln2] = ln_2.backward(&dh)?;
+        drop(dh);
+        let dx = (g + dx)?; // x's other gradient, from ln_2; x = x₀ + a: a's, and one of x₀'s
+        let [dy, dw_aproj, db_aproj] = attn_proj.backward(&dx)?;
+        let [dh, dw_attn, db_attn] = attn.backward(&dy)?; // through the heads and c_attn
+        drop(dy);
+        let [dx0, dw_ln1, db_ln1] = ln_1.backward(&dh)?;
+        drop(dh);
+        let dx0 = (dx + dx0)?; // x₀'s other gradient, from ln_1
+        let grads =
+            vec![dw_ln1, db_ln1, dw_attn, db_attn, dw_aproj, db_aproj, dw_ln2, db_ln2, dw_fc, db_fc, dw_proj, db_proj];
+        Ok((dx0, grads))
+    }
+}
+// ANCHOR_END: block_tape
 
 /// Mean cross-entropy of logits (B, T, V) against targets (B, T) u32.
 /// bf16 logits are widened to fp32 first: the loss is computed in fp32
@@ -225,6 +280,7 @@ pub fn add_into(acc: &mut [f32], t: &Tensor) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::Probs;
     use crate::params::ParamTable;
 
     /// A model small enough for finite differences, in f64 so they are exact enough.
@@ -302,6 +358,59 @@ mod tests {
         let e = add_grads(&grads, &[w.clone(), b.clone()], &mut acc).unwrap_err().to_string();
         assert!(e.starts_with("parameter 0 of 2 ([2, 2]) has no gradient: the backward does not reach it"), "{e}");
         assert_eq!(acc, [1., 1., -1., -1., 1., 1.], "nothing added on a refusal");
+    }
+
+    /// A block's taped backward gives the bits of candle's backward of the
+    /// same block — its input's gradient and all twelve parameters' — in
+    /// f32, bf16 and f64, with attention's probabilities kept and
+    /// recomputed; and its output is the block's.
+    #[test]
+    fn the_taped_backward_gives_candles_bits() {
+        let cfg = GptConfig { vocab_size: 7, block_size: 6, n_layer: 1, n_head: 2, n_embd: 16 };
+        let table = ParamTable::new(&cfg);
+        let mut rng = crate::rng::SplitMix64::new(11);
+        let flat: Vec<f32> = table.init_flat(5).iter().map(|&x| x + 0.1 * rng.normal() as f32).collect();
+        let block = table.unit_params(Unit::Block(0));
+        let noise =
+            |n: usize, rng: &mut crate::rng::SplitMix64| (0..n).map(|_| rng.normal() as f32).collect::<Vec<_>>();
+        let (x, g) = (noise(2 * 6 * 16, &mut rng), noise(2 * 6 * 16, &mut rng));
+        let bits = |t: &Tensor| -> Vec<u64> {
+            let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+            t.to_vec1::<f64>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            for probs in [Probs::Keep, Probs::Recompute] {
+                let gpt = Gpt::new(cfg).with_probs(probs);
+                let t = |v: &[f32], shape: &[usize]| {
+                    Tensor::from_slice(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+                };
+                let ps: Vec<Var> = table.specs[block.clone()]
+                    .iter()
+                    .map(|s| Var::from_tensor(&t(&flat[s.range()], &s.shape)).unwrap())
+                    .collect();
+                let (xv, up) = (Var::from_tensor(&t(&x, &[2, 6, 16])).unwrap(), t(&g, &[2, 6, 16]));
+                // candle: the block's graph, pulled back from sum(out · g)
+                let tracked: Vec<Tensor> = ps.iter().map(|v| v.as_tensor().clone()).collect();
+                let out = gpt.block(&tracked, xv.as_tensor()).unwrap();
+                let grads = (&out * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                // the tape
+                let detached: Vec<Tensor> = ps.iter().map(|v| v.as_detached_tensor()).collect();
+                let (taped_out, tape) = gpt.block_taped(&detached, &xv.as_detached_tensor()).unwrap();
+                let (dx, dp) = tape.backward(&up).unwrap();
+                let what = format!("{dtype:?}, {probs:?}");
+                assert_eq!(bits(&taped_out), bits(&out), "{what}: the output");
+                assert_eq!(bits(&dx), bits(grads.get(xv.as_tensor()).unwrap()), "{what}: the input's gradient");
+                for ((spec, v), d) in table.specs[block.clone()].iter().zip(&ps).zip(&dp) {
+                    assert_eq!(bits(d), bits(grads.get(v.as_tensor()).unwrap()), "{what}: {}", spec.name);
+                }
+            }
+        }
+        // A graph on the input is refused, not silently cut.
+        let vars = Gpt::new(cfg).vars_from_flat(&table, &flat).unwrap();
+        let p: Vec<Tensor> = vars[block].iter().map(|v| v.as_detached_tensor()).collect();
+        let x = Var::from_slice(&x, (2, 6, 16), &Device::Cpu).unwrap();
+        let e = Gpt::new(cfg).block_taped(&p, x.as_tensor()).err().unwrap().to_string();
+        assert!(e.contains("without a graph"), "{e}");
     }
 
     #[test]

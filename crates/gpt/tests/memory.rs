@@ -176,3 +176,32 @@ fn the_head_and_the_embedding_backward_hold_what_the_shapes_say() {
         check(&format!("{preset} {precision} embedding backward"), measured, shapes.embedding_backward((b, t)), 0);
     }
 }
+
+/// A block on a tape ([`Gpt::block_taped`]) keeps what candle's graph of the
+/// block keeps, and its backward, which hands each gradient straight on
+/// (no GradStore), holds what the shapes say: less than candle's.
+#[test]
+fn a_block_on_a_tape_holds_what_the_shapes_say() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (preset, b, precision, probs) in cases() {
+        let cfg = GptConfig::preset(preset, 65).unwrap();
+        let (gpt, t, dt) = (Gpt::new(cfg).with_probs(probs), cfg.block_size, precision.dtype());
+        let p: Vec<Tensor> = ParamTable::block_shapes(cfg.n_embd).iter().map(|s| randn(s, dt)).collect();
+        let (x, g) = (randn(&[b, t, cfg.n_embd], dt), randn(&[b, t, cfg.n_embd], dt));
+        let before = live();
+        let (y, tape) = gpt.block_taped(&p, &x).unwrap();
+        let activations = live() - before;
+        let at = live();
+        PEAK.store(at, Relaxed);
+        let (dx, grads) = tape.backward(&g).unwrap();
+        let (backward_peak, grad_store) = (PEAK.load(Relaxed) - at, live() - at);
+        drop((y, tape, dx, grads));
+        let measured = Footprint { activations, backward_peak, grad_store, var_grads: 0, var_grads_at_peak: 0 };
+        let shapes = ModelShapes { cfg, elem: precision.bytes(), probs };
+        let model = shapes.block_taped((b, t));
+        check(&format!("{preset} {precision} {probs:?} a block on a tape"), measured, model, 1);
+        assert_eq!(model.activations, shapes.block_graph(b, t), "{preset} {precision} {probs:?}: candle's graph's");
+        let candle = shapes.blocks_recomputed(1, (b, t));
+        assert!(model.backward_peak < candle.backward_peak, "{preset} {precision} {probs:?}: below candle's");
+    }
+}

@@ -4,12 +4,12 @@ use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use candle_core::{Tensor, Var};
+use candle_core::Var;
 use fsdp_comm::{ExactSquares, MicroBatchSum, SumGroups, World};
 use fsdp_gpt::Unit;
 use fsdp_gpt::blockwise::{self, Grads};
 use fsdp_gpt::kernels::Probs;
-use fsdp_gpt::memory::{Footprint, ModelShapes, block_activations};
+use fsdp_gpt::memory::{Footprint, ModelShapes};
 use fsdp_gpt::{AdamWConfig, Corpus, Gpt, GptConfig, ParamTable, Sampler};
 
 use crate::checkpoint::{Meta, Part, Reader};
@@ -336,21 +336,14 @@ impl<'w> Session<'w> {
     }
 
     /// Forward and backward of micro-batch `k` of `step` through the model
-    /// whose parameters are `vars`; returns the loss and the gradients. With
-    /// `recompute` (activation checkpointing) block by block, each block's
-    /// forward recomputed just before its backward: less memory, one more
-    /// forward, the same bits.
+    /// whose parameters are `vars`; returns the loss and the gradients,
+    /// block by block ([`blockwise`]: each block's backward the project's
+    /// own, from its tape). With `recompute` (activation checkpointing) each
+    /// block keeps only its input, and its forward is run again just before
+    /// its backward: less memory, one more forward, the same bits.
     pub fn forward_backward(&self, vars: &[Var], step: u64, k: usize, recompute: bool) -> anyhow::Result<(f32, Grads)> {
         let batch = self.sampler.micro_batch(step, k)?;
-        if recompute {
-            // Block by block, each block's forward recomputed from its input.
-            return Ok(blockwise::forward_backward_collected(&self.model, &self.table, vars, &batch, true)?);
-        }
-        let params: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let logits = self.model.forward(&self.table, &params, &batch.inputs)?; // (B, T, V)
-        let loss = fsdp_gpt::model::loss(&logits, &batch.targets)?;
-        let grads = loss.backward()?;
-        Ok((loss.to_scalar::<f32>()?, Grads::Graph(grads)))
+        Ok(blockwise::forward_backward_collected(&self.model, &self.table, vars, &batch, recompute)?)
     }
 
     /// The shapes of this run's model in a compute dtype of `elem` bytes
@@ -362,30 +355,6 @@ impl<'w> Session<'w> {
     /// One micro-batch's (B, T).
     pub fn micro_batch_shape(&self) -> (usize, usize) {
         (self.sampler.batch_size, self.sampler.seq_len)
-    }
-
-    /// What [`Session::forward_backward`] without recompute holds at its
-    /// peak, by category: the micro-batch, the activations the graph keeps,
-    /// the backward's gradients and temporaries on top. `elem`: the compute
-    /// dtype's bytes.
-    pub fn forward_backward_tally(&self, m: &mut Moment, elem: usize) {
-        let (b, t) = self.micro_batch_shape();
-        let f = self.shapes(elem).whole_model(&self.table, (b, t));
-        m.add("micro-batch token ids", 2 * b * t, 4, "inputs and targets (B, T)");
-        // The blocks' part by the formula, the rest (embedding, head, loss) op by op.
-        let (c, nh, layers) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.n_layer);
-        let blocks = layers * block_activations(&self.cfg, (b, t), self.model.probs) * elem;
-        let note = match self.model.probs {
-            Probs::Keep => format!("B·T·(18·C + nh·T) each: {b}·{t}·(18·{c} + {nh}·{t}) × {elem} B"),
-            Probs::Recompute => format!("B·T·18·C each, P recomputed: {b}·{t}·18·{c} × {elem} B"),
-        };
-        m.add(&format!("activations: {layers} blocks"), blocks, 1, &note).add(
-            "activations: embedding, head, loss",
-            f.activations - blocks,
-            1,
-            "the rest of the whole graph, op by op",
-        );
-        backward_rows(m, &f);
     }
 
     /// The moments of one micro-batch of [`fsdp_gpt::blockwise`]: the head,
@@ -406,8 +375,8 @@ impl<'w> Session<'w> {
         let (e, (b, t), c, v) = (elem, self.micro_batch_shape(), self.cfg.n_embd, self.cfg.vocab_size);
         let (btc, layers, dt) = (b * t * c, self.cfg.n_layer, if elem == 2 { "bf16" } else { "fp32" });
         let shapes = self.shapes(e);
-        let block = shapes.blocks_recomputed(1, (b, t));
-        // What waits for the blocks before it: their inputs (recompute) or graphs.
+        let block = shapes.block_taped((b, t));
+        // What waits for the blocks before it: their inputs (recompute) or tapes.
         let waiting = |m: &mut Moment, blocks: usize| {
             match recompute {
                 true => m.add(
@@ -416,14 +385,12 @@ impl<'w> Session<'w> {
                     e,
                     "(B, T, C) per block: each block is recomputed from its input",
                 ),
-                false => m
-                    .add(
-                        "block graphs waiting for backward",
-                        blocks * block.activations,
-                        1,
-                        "each block's activations, kept",
-                    )
-                    .add(&format!("their inputs as Vars ({dt})"), blocks * btc, e, "(B, T, C) per block"),
+                false => m.add(
+                    "block tapes waiting for backward",
+                    blocks * block.activations,
+                    1,
+                    "each block's activations, kept (its input among them)",
+                ),
             };
         };
         let carried = |m: &mut Moment| {
@@ -447,9 +414,8 @@ impl<'w> Session<'w> {
             let mut m = Moment::new(format!("{what} of h.{i}, {label}"));
             waiting(&mut m, i);
             carried(&mut m);
-            m.add(&format!("the block's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
             ids(&mut m);
-            pass_rows(&mut m, &block, "the block's graph");
+            tape_rows(&mut m, &block);
             held(Unit::Block(i), false, &mut m);
             moments.push(m);
             // Its graph gone, its gradients are handed on.
@@ -499,26 +465,13 @@ impl<'w> Session<'w> {
         held: &mut dyn FnMut(bool, &mut Moment),
     ) -> Vec<Moment> {
         let dt = if elem == 2 { "bf16" } else { "fp32" };
-        let mut moments = match recompute {
-            false => {
-                let mut m = Moment::new(format!("backward of {label}"));
-                held(false, &mut m);
-                self.forward_backward_tally(&mut m, elem);
-                vec![m]
-            }
-            true => self.blockwise_moments(elem, true, label, &mut |unit, _handed, m| {
-                held(false, m);
-                m.add(
-                    &format!("gradients collected ({dt})"),
-                    self.grads_collected(unit),
-                    elem,
-                    "the blocks done so far",
-                );
-            }),
-        };
+        let mut moments = self.blockwise_moments(elem, recompute, label, &mut |unit, _handed, m| {
+            held(false, m);
+            m.add(&format!("gradients collected ({dt})"), self.grads_collected(unit), elem, "the blocks done so far");
+        });
         let mut add = Moment::new(add_label);
         held(true, &mut add);
-        self.gradient_add_tally(&mut add, elem, recompute);
+        self.gradient_add_tally(&mut add, elem);
         moments.push(add);
         moments
     }
@@ -536,21 +489,11 @@ impl<'w> Session<'w> {
         }
     }
 
-    /// The gradients [`Session::forward_backward`] returns: candle's
-    /// GradStore, or under recompute the parameters' gradients alone.
-    pub fn grads_bytes(&self, elem: usize, recompute: bool) -> usize {
-        match recompute {
-            true => self.table.numel() * elem,
-            false => self.shapes(elem).whole_model(&self.table, self.micro_batch_shape()).grad_store,
-        }
-    }
-
     /// What adding a micro-batch's gradients onto the sums holds besides
-    /// them, after [`Session::forward_backward`]: its GradStore and, under
-    /// bf16, one tensor's gradient widened to fp32 at a time.
-    pub fn gradient_add_tally(&self, m: &mut Moment, elem: usize, recompute: bool) {
-        let note = if recompute { "every parameter's, block by block" } else { "candle's GradStore" };
-        m.add("the micro-batch's gradients", self.grads_bytes(elem, recompute), 1, note);
+    /// them, after [`Session::forward_backward`]: every parameter's gradient
+    /// and, under bf16, one tensor's gradient widened to fp32 at a time.
+    pub fn gradient_add_tally(&self, m: &mut Moment, elem: usize) {
+        m.add("the micro-batch's gradients", self.table.numel(), elem, "every parameter's, block by block");
         widen_row(m, elem, self.table.specs.iter().map(|s| s.numel()).max().unwrap_or(0));
     }
 
@@ -784,6 +727,19 @@ impl<'w> Session<'w> {
 pub fn pass_rows(m: &mut Moment, f: &Footprint, graph: &str) {
     m.add("activations the graph keeps", f.activations, 1, &format!("{graph}: every op's output, until backward ends"));
     backward_rows(m, f);
+}
+
+/// A block on a tape ([`fsdp_gpt::model::BlockTape`]): what it keeps, and
+/// what its backward holds on top.
+pub fn tape_rows(m: &mut Moment, f: &Footprint) {
+    m.add("activations the tape keeps", f.activations, 1, "the block's: every op's output, its input among them")
+        .add("backward: parameter gradients", f.var_grads_at_peak, 1, "made by the tape's backward at its busiest")
+        .add(
+            "backward: other gradients, temporaries",
+            f.backward_peak - f.var_grads_at_peak,
+            1,
+            "activations' gradients in flight (none added into zeros), the ops' scratch",
+        );
 }
 
 /// The most a pass's backward holds on top of its activations.

@@ -29,8 +29,8 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     x.apply_op3(w, b, LayerNorm { eps })
 }
 
-struct LayerNorm {
-    eps: f64,
+pub(super) struct LayerNorm {
+    pub(super) eps: f64,
 }
 
 macro_rules! kernels {
@@ -81,7 +81,9 @@ macro_rules! kernels {
             let n = xhat.len() as $t;
             let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
             for c in 0..xhat.len() {
-                dx[c] = (g[c] * w[c] - mean_g - xhat[c] * mean_gx) * rstd;
+                // + 0: −0 written as +0, as candle's GradStore would (0 + −0), so that a
+                // backward that skips the store (kernels::tape) gets the same bits
+                dx[c] = (g[c] * w[c] - mean_g - xhat[c] * mean_gx) * rstd + 0.0;
                 dw[c] += g[c] * xhat[c];
                 db[c] += g[c];
             }

@@ -43,21 +43,27 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `gelu(x · wᵀ + b)`, the MLP's `c_fc` and its GELU, as one op. Differentiable in all three.
 pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    x.apply_op3(w, b, LinearThen { then: Gelu, h: Mutex::new(None) })
+    x.apply_op3(w, b, LinearThen::new(Gelu))
 }
 
 /// [`super::attention_with`] of `x · wᵀ + b`, `c_attn` and the attention
 /// after it, as one op: (B, T, C) → (B, T, C). Differentiable in all three.
 pub fn linear_attention(x: &Tensor, w: &Tensor, b: &Tensor, n_head: usize, policy: Probs) -> Result<Tensor> {
-    x.apply_op3(w, b, LinearThen { then: Attention::new(n_head, policy), h: Mutex::new(None) })
+    x.apply_op3(w, b, LinearThen::new(Attention::new(n_head, policy)))
 }
 
-struct Linear;
+pub(super) struct Linear;
 
 /// [`Linear`], then `then` on its output, which the op keeps for the backward.
-struct LinearThen<F> {
+pub(super) struct LinearThen<F> {
     then: F,
     h: Mutex<Option<Tensor>>,
+}
+
+impl<F> LinearThen<F> {
+    pub(super) fn new(then: F) -> Self {
+        Self { then, h: Mutex::new(None) }
+    }
 }
 
 impl<F: CustomOp1> CustomOp3 for LinearThen<F> {

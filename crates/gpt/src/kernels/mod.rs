@@ -17,6 +17,7 @@
 //! | [`bias_add`] | a linear layer's `x + b`; its backward sums the gradient over the rows | `db` over the rows in order |
 //! | [`gelu`] | erf GELU, its backward in one pass | element-wise; its own `erf` and `exp` in plain f32 operations |
 //! | [`attention`] | causal self-attention from `c_attn`'s output to the merged heads, one op; its probabilities kept for the backward or recomputed there ([`attention_with`], [`Probs`]) | [`matmul`]'s chains and [`causal_softmax`]'s rows, rounded where they round: their bits |
+//! | [`tape`] | the fused ops above run outside candle's graph, each kept with what its backward needs: a block's backward the project runs itself, each gradient handed straight on | theirs: the same bits as through candle's GradStore |
 //! | [`causal_softmax`] | `softmax(scale · att + causal mask)` in one pass, and its backward in one | each row's sums over the visible keys `k = 0, 1, …, i`, in order (its max, exact, in any order; glibc's `expf`, four lanes at a time, to its bits) |
 mod attention;
 mod common;
@@ -26,6 +27,7 @@ mod linear;
 mod matmul;
 mod pointwise;
 mod softmax;
+pub mod tape;
 
 pub use attention::{Probs, attention, attention_with};
 pub use common::elementwise;
