@@ -28,7 +28,7 @@
 use std::collections::VecDeque;
 
 use anyhow::Context;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Batch;
 use fsdp_gpt::model::{add_into, loss as cross_entropy};
@@ -393,8 +393,6 @@ fn run_phase(
             // head is recomputed here.
             let mut sum = s.grad_sum(unit.layout().padded);
             let r = unit.ranges(); // wte, wpe, ln_f.weight, ln_f.bias
-            let dtype = c.upstream.first().map_or(DType::F32, Tensor::dtype); // the compute dtype
-            let wpe_var = Var::zeros(s.table.specs[unit.params()[1]].shape.as_slice(), dtype, &Device::Cpu)?;
             for (k, ((b, g), lnf)) in c.batches.iter().zip(&c.upstream).zip(&c.head_lnf).enumerate() {
                 let head = match head_grad {
                     HeadGrad::Keep => c.head_wte[k].clone(),
@@ -404,16 +402,14 @@ fn run_phase(
                         grads.get(&p[0]).context("wte grad")?.detach()
                     }
                 };
-                let ids = b.inputs.flatten_all()?; // (B·T)
-                let rows = Var::zeros((ids.dim(0)?, s.cfg.n_embd), dtype, &Device::Cpu)?; // stand-in for the looked-up rows
-                let grads = (m.add_positions(&rows, &wpe_var, b.inputs.dims2()?)? * g)?.sum_all()?.backward()?;
+                let (rows, wpe) = m.embedding_backward(g)?; // the looked-up rows' gradient (B·T, C), wpe's
                 // wte's whole gradient, formed as candle's one-graph backward
                 // forms it: the lm_head part, then each token's row gradient
                 // index-added onto it (in token order), then onto the running sum.
-                let tied = head.index_add(&ids, grads.get(&rows).context("row grads")?, 0)?;
+                let tied = head.index_add(&b.inputs.flatten_all()?, &rows, 0)?;
                 sum.add(|buf| -> anyhow::Result<()> {
                     add_into(&mut buf[r[0].clone()], &tied)?;
-                    add_into(&mut buf[r[1].clone()], grads.get(&wpe_var).context("wpe grad")?)?;
+                    add_into(&mut buf[r[1].clone()], &wpe)?;
                     add_into(&mut buf[r[2].clone()], &lnf[0])?;
                     add_into(&mut buf[r[3].clone()], &lnf[1])?;
                     Ok(())

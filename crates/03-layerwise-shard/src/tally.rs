@@ -4,7 +4,7 @@
 use fsdp_comm::ShardLayout;
 use fsdp_gpt::kernels::Probs;
 use fsdp_gpt::memory::block_activations;
-use fsdp_harness::session::{pass_rows, widen_row};
+use fsdp_harness::session::{embedding_rows, pass_rows, widen_row};
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
@@ -247,20 +247,22 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         carried(&mut m, mine);
         recomputed(&mut m);
         sums(&mut m, &units[0], k);
-        m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), s.cfg.block_size * c + b * t * c, e, "stand-ins")
-            .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
+        m.add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
         ids(&mut m);
         let f = shapes.embedding_backward((b, t));
-        pass_rows(&mut m, &f, "the embedding's graph");
+        embedding_rows(&mut m, &f);
         reducing(&mut m, units.get(1));
         moments.push(m);
         let mut m = Moment::new(format!("adding the root's gradient of micro-batch {k}"));
         carried(&mut m, mine);
         recomputed(&mut m);
         sums(&mut m, &units[0], k + 1);
-        m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), s.cfg.block_size * c + b * t * c, e, "stand-ins")
-            .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added")
-            .add("candle's GradStore", f.grad_store, 1, "the rows' and wpe's gradients");
+        m.add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added").add(
+            &format!("wpe's gradient ({dt})"),
+            f.grad_store,
+            1,
+            "the rows' gradient is a view of the upstream one",
+        );
         widen_row(&mut m, e, v * c);
         ids(&mut m);
         reducing(&mut m, units.get(1));

@@ -26,7 +26,7 @@
 //! `wte` is completed as candle completes it: its lm_head part, then the
 //! token rows index-added onto it).
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 
 use crate::data::Batch;
 use crate::error::{GptError, Result};
@@ -150,17 +150,10 @@ pub fn forward_backward_marked(
         on_unit(Unit::Block(i), block(i).zip(grads).collect())?;
     }
 
-    // The embedding's backward: stand-in Vars for the looked-up rows and wpe
-    // (an add's gradient does not depend on its operands' values).
-    let dtype = g.dtype();
-    let ids = batch.inputs.flatten_all()?; // (B·T)
-    let rows = Var::zeros((ids.dim(0)?, gpt.cfg.n_embd), dtype, &Device::Cpu)?;
-    let wpe = Var::zeros(table.specs[1].shape.as_slice(), dtype, &Device::Cpu)?;
-    let grads =
-        (gpt.add_positions(rows.as_tensor(), wpe.as_tensor(), batch.inputs.dims2()?)? * &g)?.sum_all()?.backward()?;
+    // The embedding's backward (no graph: an add's gradient does not depend on its operands).
+    let (rows, wpe_grad) = gpt.embedding_backward(&g)?;
     // wte's whole gradient as candle's one-graph backward forms it.
-    let tied = head_wte.index_add(&ids, grads.get(rows.as_tensor()).ok_or_else(|| missing("the rows"))?, 0)?;
-    let wpe_grad = get(&grads, wpe.as_tensor(), "wpe")?;
+    let tied = head_wte.index_add(&batch.inputs.flatten_all()?, &rows, 0)?;
     let [w, b] = lnf;
     on_unit(Unit::Embedding, vec![(0, tied), (1, wpe_grad), (ln.start, w), (ln.start + 1, b)])?;
     Ok(loss_value)
@@ -190,6 +183,7 @@ mod tests {
     use super::*;
     use crate::config::GptConfig;
     use crate::precision::Precision;
+    use candle_core::Device;
 
     /// Both block-by-block backwards give every gradient of one whole-graph
     /// backward, bit for bit, in fp32 and bf16, with and without recompute.

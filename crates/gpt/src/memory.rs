@@ -1013,20 +1013,16 @@ impl ModelShapes {
         g.backward(loss)
     }
 
-    /// The embedding's backward from stand-in rows: `sum((rows + wpe) · g)`,
-    /// lesson 03's last entry (its weights are not needed).
-    pub fn embedding_backward(&self, (b, t): (usize, usize)) -> Footprint {
-        let mut g = Graph::new();
-        let c = self.cfg.n_embd;
-        let rows = g.var(&[b * t, c], self.elem);
-        let wpe = g.var(&[self.cfg.block_size, c], self.elem);
-        let tok = g.reshape(rows, &[b, t, c]);
-        let pos = g.narrow(wpe, 0, 0, t);
-        let x = g.broadcast_add(tok, pos);
-        let up = g.input(&[b, t, c], self.elem);
-        let prod = g.mul(x, up);
-        let root = g.sum_all(prod);
-        g.backward(root)
+    /// The embedding's backward, [`crate::model::Gpt::embedding_backward`]
+    /// (no graph; its weights are not needed): the rows' gradient is a view
+    /// of the upstream one; wpe's is the T positions' sums (T, C), then —
+    /// when T is short of the context — those and the zeros beyond,
+    /// concatenated into a new (block_size, C), which it returns.
+    pub fn embedding_backward(&self, (_b, t): (usize, usize)) -> Footprint {
+        let (c, bs, e) = (self.cfg.n_embd, self.cfg.block_size, self.elem);
+        let wpe = bs * c * e;
+        let peak = if t < bs { t * c * e + (bs - t) * c * e + wpe } else { wpe };
+        Footprint { activations: 0, backward_peak: peak, grad_store: wpe, var_grads: wpe, var_grads_at_peak: 0 }
     }
 }
 

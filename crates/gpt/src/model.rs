@@ -112,6 +112,26 @@ impl Gpt {
         Ok(tok.broadcast_add(&pos)?)
     }
 
+    // ANCHOR: embedding_backward
+    /// The embedding's backward, from `g`, the gradient of its output (B, T,
+    /// C): the looked-up rows' gradient (B·T, C) — `g` itself, reshaped —
+    /// and `wpe`'s (block_size, C): `g` summed over the batch at each of the
+    /// T positions used, zeros beyond. An add's gradient does not depend on
+    /// its operands, so no graph is needed: the bits of candle's backward of
+    /// [`Gpt::add_positions`], whose broadcast sums over the batch the same
+    /// way (`sum_keepdim`, b = 0, 1, … in order from 0).
+    pub fn embedding_backward(&self, g: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, t, c) = g.dims3()?;
+        let rows = g.reshape((b * t, c))?; // (B·T, C): a view
+        let pos = g.sum_keepdim(0)?.squeeze(0)?; // (T, C)
+        let wpe = match self.cfg.block_size - t {
+            0 => pos,
+            rest => Tensor::cat(&[&pos, &Tensor::zeros((rest, c), g.dtype(), g.device())?], 0)?,
+        };
+        Ok((rows, wpe))
+    }
+    // ANCHOR_END: embedding_backward
+
     /// One transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
     /// `p` are the block's 12 tensors in table order. (B, T, C) → (B, T, C).
     pub fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
@@ -411,6 +431,34 @@ mod tests {
         let x = Var::from_slice(&x, (2, 6, 16), &Device::Cpu).unwrap();
         let e = Gpt::new(cfg).block_taped(&p, x.as_tensor()).err().unwrap().to_string();
         assert!(e.contains("without a graph"), "{e}");
+    }
+
+    /// The embedding's backward without a graph gives candle's bits, the
+    /// rows' and wpe's, for the whole context and for part of it (wpe
+    /// narrowed), in f32, bf16 and f64.
+    #[test]
+    fn the_embedding_backward_gives_candles_bits() {
+        let cfg = GptConfig { vocab_size: 7, block_size: 6, n_layer: 1, n_head: 2, n_embd: 8 };
+        let gpt = Gpt::new(cfg);
+        let mut rng = crate::rng::SplitMix64::new(3);
+        let bits = |t: &Tensor| -> Vec<u64> {
+            let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+            t.to_vec1::<f64>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            for t in [6, 4] {
+                let g: Vec<f32> = (0..3 * t * 8).map(|_| rng.normal() as f32).collect();
+                let g = Tensor::from_vec(g, (3, t, 8), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+                let rows = Var::zeros((3 * t, 8), dtype, &Device::Cpu).unwrap();
+                let wpe = Var::zeros((6, 8), dtype, &Device::Cpu).unwrap();
+                let x = gpt.add_positions(rows.as_tensor(), wpe.as_tensor(), (3, t)).unwrap();
+                let grads = (x * &g).unwrap().sum_all().unwrap().backward().unwrap();
+                let (r, w) = gpt.embedding_backward(&g).unwrap();
+                assert_eq!(bits(&r), bits(grads.get(rows.as_tensor()).unwrap()), "{dtype:?}, T = {t}: the rows");
+                assert_eq!(bits(&w), bits(grads.get(wpe.as_tensor()).unwrap()), "{dtype:?}, T = {t}: wpe");
+                assert_eq!(w.dims(), [6, 8]);
+            }
+        }
     }
 
     #[test]

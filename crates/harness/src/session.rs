@@ -430,20 +430,14 @@ impl<'w> Session<'w> {
         }
         let mut m = Moment::new(format!("embedding backward, {label}"));
         carried(&mut m);
-        m.add(&format!("wpe and the looked-up rows as Vars ({dt})"), self.cfg.block_size * c + btc, e, "stand-ins")
-            .add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
+        m.add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
         ids(&mut m);
-        pass_rows(&mut m, &shapes.embedding_backward((b, t)), "the embedding's graph");
+        embedding_rows(&mut m, &shapes.embedding_backward((b, t)));
         held(Unit::Embedding, false, &mut m);
         moments.push(m);
         let mut m = Moment::new(format!("handing on the root's gradients, {label}"));
         m.add(&format!("the root's gradients ({dt})"), v * c + self.cfg.block_size * c + 2 * c, e, "wte, wpe, ln_f")
-            .add(
-                "the embedding's GradStore",
-                shapes.embedding_backward((b, t)).grad_store,
-                1,
-                "the rows' gradient, until the hand-off",
-            )
+            .add(&format!("upstream gradient ({dt})"), btc, e, "the rows' gradient is a view of it, until the hand-off")
             .add(&format!("lm_head part of wte grad ({dt})"), v * c, e, "the tied gradient was formed from it");
         ids(&mut m);
         held(Unit::Embedding, true, &mut m);
@@ -727,6 +721,12 @@ impl<'w> Session<'w> {
 pub fn pass_rows(m: &mut Moment, f: &Footprint, graph: &str) {
     m.add("activations the graph keeps", f.activations, 1, &format!("{graph}: every op's output, until backward ends"));
     backward_rows(m, f);
+}
+
+/// The embedding's backward ([`fsdp_gpt::model::Gpt::embedding_backward`]):
+/// no graph; wpe's gradient and its scratch at the busiest.
+pub fn embedding_rows(m: &mut Moment, f: &Footprint) {
+    m.add("the embedding's backward", f.backward_peak, 1, "wpe's gradient: the positions' sums, zeros beyond");
 }
 
 /// A block on a tape ([`fsdp_gpt::model::BlockTape`]): what it keeps, and
