@@ -192,8 +192,8 @@ fn every_stub_stops_with_one_line_naming_its_file() {
         assert_eq!((code, lines), (2, vec![want]), "exercise {}", e.id);
         assert!(!out.join("report.json").exists(), "exercise {}: a stopped run wrote its report", e.id);
     }
-    // With --prefetch the stub is reached while the next unit's all-gather is in
-    // flight: the gather is waited for, and the line is the same.
+    // With --prefetch the stub is reached while the next units' all-gathers are in
+    // flight: they are waited for, and the line is the same.
     let e = EXERCISES.iter().find(|e| e.id == "3.1").unwrap();
     if e.is_stub() {
         let args = [BASE, &M16, &["--prefetch", "--mine", "1"]].concat();

@@ -98,7 +98,7 @@ fn tally_explains_the_peak(runs: &[(&str, &[&str])]) {
 }
 
 /// `--recompute` changes no bit of lessons 01 and 02, and lowers the peak the
-/// allocator measures by what its tally says: the whole graph's activations
+/// allocator measures by what its tally says: every block's activations
 /// against one block's.
 #[test]
 fn recompute_changes_no_bit_and_lowers_the_peak() {
@@ -113,7 +113,7 @@ fn recompute_changes_no_bit_and_lowers_the_peak() {
             let tally = |out: &std::path::Path| report(out)["tally_expected_peak_bytes"].as_f64().unwrap();
             let (saved, predicted) = (peak(&kept) - peak(&rc), tally(&kept) - tally(&rc));
             // Tiny, 8 × 64 tokens: the fused kernels keep little per block, yet
-            // the whole graph's activations are still a fifth of the peak.
+            // every block's activations are still a fifth of the peak.
             assert!(saved > 0.2 * peak(&kept), "{pkg}, N = {n}: recompute saves {saved} of {} bytes", peak(&kept));
             assert!(
                 (saved / predicted - 1.0).abs() < 0.02,
@@ -123,9 +123,9 @@ fn recompute_changes_no_bit_and_lowers_the_peak() {
     }
 }
 
-/// `--selective-recompute` changes no bit, in a whole graph (lesson 01,
-/// fp32 and bf16) and under full recompute (lesson 04's ZeRO-3); in the
-/// whole graph it lowers the tally by exactly the formula's probabilities,
+/// `--selective-recompute` changes no bit, with every block's activations
+/// kept (lesson 01, fp32 and bf16) and under full recompute (lesson 04's
+/// ZeRO-3); with them kept it lowers the tally by exactly the formula's probabilities,
 /// B·nh·T·T per block, and the measured peak by as much. Exactly, at this
 /// size, because the backward's busiest moment is not inside an attention
 /// backward, where the recomputed P is held (at GPT-2's shape it is: the

@@ -221,15 +221,15 @@ fn traces_show_what_ran_when() {
 /// out of memory, in one line.
 #[test]
 fn prefetch_reaches_two_ahead_where_memory_allows() {
+    fn strs(a: &[String]) -> Vec<&str> {
+        a.iter().map(String::as_str).collect()
+    }
     for (pkg, extra) in
         [("step03-layerwise-shard", &["--no-plot"][..]), ("step04-optimizer-state-shard", &["--stage", "3"])]
     {
         let args =
             |flags: &[&str]| -> Vec<String> { FAST.iter().chain(extra).chain(flags).map(|a| a.to_string()).collect() };
-        let go = |flags: &[&str], name: &str| {
-            let a = args(flags);
-            run(pkg, 2, &a.iter().map(String::as_str).collect::<Vec<_>>(), &format!("ov-reach-{pkg}-{name}"))
-        };
+        let go = |flags: &[&str], name: &str| run(pkg, 2, &strs(&args(flags)), &format!("ov-reach-{pkg}-{name}"));
         let peak = |r: &serde_json::Value| r["tally_expected_peak_bytes"].as_u64().unwrap();
         let (two, out) = go(&["--prefetch"], "default");
         assert!(out.contains("on: the next 2 entries' units gathered"), "{pkg}: {out}");
@@ -238,12 +238,11 @@ fn prefetch_reaches_two_ahead_where_memory_allows() {
         assert!(peak(&two) > peak(&one), "{pkg}: a second unit in flight raises the tally's peak");
         let budget = format!("{}B", (peak(&one) + peak(&two)) / 2);
         let (lowered, out) = go(&["--prefetch", "--mem-budget", &budget], "lowered");
-        assert!(out.contains("on: the next unit gathered, the last reduce-scattered on the communication stream (two would take the tally's peak past --mem-budget)"), "{pkg}: {out}");
+        assert!(out.contains("on: the next unit gathered, the last reduce-scattered on the communication stream (2 would take the tally's peak past --mem-budget)"), "{pkg}: {out}");
         assert_eq!(peak(&lowered), peak(&one), "{pkg}: one ahead, tallied as one");
         assert_eq!(lowered["weights_digest"], two["weights_digest"], "{pkg}: the same bits");
         let a = args(&["--prefetch", "--prefetch-depth", "2", "--mem-budget", &budget]);
-        let (o, _) =
-            mpirun(pkg, 2, &a.iter().map(String::as_str).collect::<Vec<_>>(), &format!("ov-reach-{pkg}-given"));
+        let (o, _) = mpirun(pkg, 2, &strs(&a), &format!("ov-reach-{pkg}-given"));
         let (code, lines) = failure(&o);
         assert_eq!(code, 2, "{pkg}: {lines:?}");
         assert!(lines.len() == 1 && lines[0].starts_with("error: out of memory"), "{pkg}: {lines:?}");

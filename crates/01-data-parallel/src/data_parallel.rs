@@ -184,7 +184,7 @@ impl DataParallel {
 
     /// Bytes this rank holds, by category, from shapes: the replicated
     /// state, and the step's peak — a micro-batch's backward, with the whole
-    /// model's compute copy and graph.
+    /// model's compute copy and every block's tape.
     pub fn tally(&self, s: &Session, simulated_ranks: Option<usize>) -> MemoryTally {
         let numel = s.table.numel();
         let padded = ShardLayout::new(numel, s.world.size()).padded;
@@ -209,7 +209,8 @@ impl DataParallel {
         let (e, vars_note) = (self.precision.bytes(), "compute copy, rebuilt each step");
         let vars_row = format!("params as candle Vars ({})", self.precision);
         let add = "adding a micro-batch's gradients to the sum";
-        // With buckets my last micro-batch runs block by block; the others (all, without) as a whole graph.
+        // With buckets my last micro-batch hands each block's gradient on as its backward ends; the
+        // others (all, without) are collected whole.
         let whole = s.my_micro_batches().len() - usize::from(self.buckets.is_some());
         let mut moments = match whole {
             0 => vec![],

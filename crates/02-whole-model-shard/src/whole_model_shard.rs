@@ -228,7 +228,8 @@ impl WholeModelShard {
         s.data_tally(&mut t);
         let vars_note = "compute copy, full";
         let add = "adding a micro-batch's gradients to the sum";
-        // With buckets my last micro-batch runs block by block; the others (all, without) as a whole graph.
+        // With buckets my last micro-batch hands each block's gradient on as its backward ends; the
+        // others (all, without) are collected whole.
         let whole = s.my_micro_batches().len() - usize::from(self.buckets.is_some());
         let mut moments = match whole {
             0 => vec![],

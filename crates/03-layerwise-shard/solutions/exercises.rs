@@ -13,7 +13,7 @@ use crate::units::FsdpUnit;
 /// 3.1: the gradient of sum(out · g) with g held constant is g pulled back
 /// through the unit (PyTorch: `torch.autograd.backward(out, grad_tensors=g)`),
 /// so one backward of that scalar gives the weights' and the input's
-/// gradients, the same bits as the whole-graph backward of lesson 01.
+/// gradients, the same bits as one backward through the whole graph (and lesson 01's).
 pub fn backward_entry(
     s: &Session,
     unit: &FsdpUnit,

@@ -187,7 +187,10 @@ pub struct Prefetch {
 /// The config table's line for the entries gathered ahead: `depth`, the
 /// one in use, and what was `asked` for.
 pub fn describe_prefetch(depth: usize, asked: Prefetch) -> String {
-    let lowered = if depth < asked.depth { " (two would take the tally's peak past --mem-budget)" } else { "" };
+    let lowered = match depth < asked.depth {
+        true => format!(" ({} would take the tally's peak past --mem-budget)", asked.depth),
+        false => String::new(),
+    };
     match depth {
         0 => "off".into(),
         1 => format!("on: the next unit gathered, the last reduce-scattered on the communication stream{lowered}"),

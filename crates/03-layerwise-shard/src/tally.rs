@@ -83,8 +83,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         let (padded, shards) = ahead.iter().fold((0, 0), |(p, h), u| (p + u.layout().padded, h + u.layout().shard_len));
         let names: Vec<&str> = ahead.iter().map(|u| u.name()).collect();
         let (what, note) = match ahead.len() {
-            1 => ("next unit".to_string(), "--prefetch: its all-gather in flight".to_string()),
-            k => (format!("next {k} units"), format!("--prefetch-depth {prefetch}: {} in flight", names.join(", "))),
+            1 => ("next unit".to_string(), format!("--prefetch: {}'s all-gather in flight", names[0])),
+            k => (format!("next {k} units"), format!("--prefetch: {}'s all-gathers in flight", names.join(", "))),
         };
         m.add(&format!("{what}, prefetched ({dt})"), padded, e, &note).add(
             &format!("my shard of {}, copied in ({dt})", if ahead.len() == 1 { "it" } else { "each" }),
@@ -144,8 +144,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
     };
     let mut moments = vec![];
     // The forward entries: no graph, only each unit's output kept. Never the
-    // busiest moment with one entry gathered ahead; with more, all but the
-    // first of them can be in flight here (`--prefetch-depth`), so they are
+    // busiest moment with one entry gathered ahead; with more (two, --prefetch's
+    // default), all but the first of them can be in flight here, so they are
     // counted, with what one block's forward makes as it goes bounded by what
     // its graph would keep.
     let block_forward = block_activations(&s.cfg, (b, t), Probs::Keep); // attention's P is made, if not kept
@@ -247,10 +247,9 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         carried(&mut m, mine);
         recomputed(&mut m);
         sums(&mut m, &units[0], k);
-        m.add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
         ids(&mut m);
         let f = shapes.embedding_backward((b, t));
-        embedding_rows(&mut m, &f);
+        embedding_rows(&mut m, &f, v * c * e);
         reducing(&mut m, units.get(1));
         moments.push(m);
         let mut m = Moment::new(format!("adding the root's gradient of micro-batch {k}"));
@@ -294,9 +293,10 @@ pub fn lower_peak(s: &Session, units: &[FsdpUnit], prefetch: usize) -> HeadGrad 
 /// How far `--prefetch` reaches, and the [`HeadGrad`] at that reach
 /// (`head`: `--head-grad`, else [`lower_peak`]'s). A depth given with
 /// `--prefetch-depth` is kept; the default, two entries ahead, is lowered to
-/// one where the tally's peak with two would pass `--mem-budget` and with
-/// one would not — memory allowing, as FSDP1's `limit_all_gathers` and
-/// DeepSpeed's `stage3_max_live_parameters` bound the units in flight.
+/// one where the tally's peak with two would pass `--mem-budget` — memory
+/// allowing, as FSDP1's `limit_all_gathers` and DeepSpeed's
+/// `stage3_max_live_parameters` bound the units in flight. (If one does not
+/// fit either, the run stops at the budget as any run does.)
 pub fn prefetch_within_budget(
     s: &Session,
     units: &[FsdpUnit],
@@ -304,13 +304,10 @@ pub fn prefetch_within_budget(
     head: Option<HeadGrad>,
 ) -> (usize, HeadGrad) {
     let at = |depth| (depth, head.unwrap_or_else(|| lower_peak(s, units, depth)));
-    let peak = |(depth, head)| tally(s, units, depth, head).expected_peak_bytes();
-    match s.args.mem_budget {
-        Some(budget) if !asked.given && asked.depth > 1 && peak(at(asked.depth)) > budget && peak(at(1)) <= budget => {
-            at(1)
-        }
-        _ => at(asked.depth),
-    }
+    let wanted = at(asked.depth);
+    let over =
+        |(depth, head)| s.args.mem_budget.is_some_and(|b| tally(s, units, depth, head).expected_peak_bytes() > b);
+    if !asked.given && asked.depth > 1 && over(wanted) { at(1) } else { wanted }
 }
 // ANCHOR_END: prefetch_within_budget
 

@@ -72,7 +72,7 @@ impl OptimizerStateShard {
         // Stage 3 runs lesson 03's schedule: how far it prefetches, memory
         // allowing, and what waits for the tied wte (lesson 03's defaults).
         let (prefetch, head_grad) = match stage {
-            3 => prefetch_within_budget(s, &units, Prefetch { depth: prefetch, ..asked }, head_grad),
+            3 => prefetch_within_budget(s, &units, asked, head_grad),
             _ => (0, HeadGrad::Keep), // unused: stages 1 and 2 run their own schedules
         };
         Ok(Self { stage, recompute, overlap_comm, fsdp: LayerwiseShard { units, prefetch, head_grad } })

@@ -41,7 +41,7 @@ pub struct Shapes {
     pub ranks: usize,
     /// Bytes per element of the compute copy and candle's gradients (2 for bf16).
     pub compute_bytes: usize,
-    /// Stage 3's units gathered ahead (`--prefetch`: 1; 0 without).
+    /// Stage 3's units gathered ahead (`--prefetch`: 2, or 1 where memory does not allow two; 0 without).
     pub prefetch: usize,
     /// Gradient sums per unit on each rank (`--sum-groups` G / N; by default 1): what the reduce-scatter sends.
     pub sum_groups: usize,
@@ -105,8 +105,8 @@ pub fn model_states(stage: u8, sh: Shapes) -> MemoryTally {
     };
     if stage == 3 && sh.prefetch > 0 {
         let (what, note) = match sh.prefetch {
-            1 => ("next unit".to_string(), "--prefetch".to_string()),
-            k => (format!("next {k} units"), format!("--prefetch-depth {k}, the largest unit's size each")),
+            1 => ("next unit".to_string(), "--prefetch, one ahead".to_string()),
+            k => (format!("next {k} units"), format!("--prefetch, {k} ahead, the largest unit's size each")),
         };
         t.add(&format!("{what}, prefetched ({cdt})"), sh.prefetch * sh.largest_padded, c, &note);
     }

@@ -20,8 +20,9 @@
 //! each block's input and runs the block again on a tape just before its
 //! backward (one block's activations at a time, for one more forward);
 //! without, it keeps every block's tape, and frees each once its backward is
-//! done. The head and the loss, and the embedding, go through candle's
-//! autograd. Either way every gradient has exactly the bits of one
+//! done. The head and the loss go through candle's autograd; the
+//! embedding's backward needs no graph ([`crate::model::Gpt::embedding_backward`]).
+//! Either way every gradient has exactly the bits of one
 //! whole-graph `loss.backward()`: the same ops, the same order (the tied
 //! `wte` is completed as candle completes it: its lm_head part, then the
 //! token rows index-added onto it).
@@ -33,21 +34,14 @@ use crate::error::{GptError, Result};
 use crate::model::{Gpt, add_each, loss};
 use crate::params::{PARAMS_PER_BLOCK, ParamTable, Unit};
 
-/// A micro-batch's gradients: candle's GradStore of one whole-graph
-/// backward, or the tensors a block-by-block backward produced, by
-/// parameter-table entry.
-pub enum Grads {
-    Graph(GradStore),
-    ByParam(Vec<Option<Tensor>>),
-}
+/// A micro-batch's gradients, the tensors the block-by-block backward
+/// produced, by parameter-table entry.
+pub struct Grads(Vec<Option<Tensor>>);
 
 impl Grads {
-    /// The gradient of parameter entry `i`, whose `Var` is `var`.
-    pub fn get(&self, i: usize, var: &Var) -> Option<&Tensor> {
-        match self {
-            Grads::Graph(g) => g.get(var.as_tensor()),
-            Grads::ByParam(v) => v.get(i).and_then(Option::as_ref),
-        }
+    /// The gradient of parameter entry `i`.
+    pub fn get(&self, i: usize) -> Option<&Tensor> {
+        self.0.get(i).and_then(Option::as_ref)
     }
 
     /// `acc += g` for the entries `params` (with their `vars`), back to back
@@ -55,7 +49,7 @@ impl Grads {
     /// so the order of the entries does not matter; a bf16 gradient is
     /// widened to fp32 first (exactly).
     pub fn add_to(&self, params: &[usize], vars: &[Var], acc: &mut [f32]) -> Result<()> {
-        add_each(vars, acc, |k, v| self.get(params[k], v))
+        add_each(vars, acc, |k, _| self.get(params[k]))
     }
 }
 
@@ -160,7 +154,7 @@ pub fn forward_backward_marked(
 }
 
 /// [`forward_backward`] for the whole model at once: every gradient,
-/// collected by table entry (lessons 01 and 02 and ZeRO-1 under `--recompute`).
+/// collected by table entry (`Session::forward_backward`: lessons 01 and 02 and ZeRO-1).
 pub fn forward_backward_collected(
     gpt: &Gpt,
     table: &ParamTable,
@@ -175,7 +169,7 @@ pub fn forward_backward_collected(
         }
         Ok(())
     })?;
-    Ok((loss, Grads::ByParam(all)))
+    Ok((loss, Grads(all)))
 }
 
 #[cfg(test)]
@@ -203,9 +197,9 @@ mod tests {
             let vars = gpt.vars_in(&table, &flat, precision).unwrap();
             let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
             let whole = loss(&gpt.forward(&table, &ts, &batch.inputs).unwrap(), &batch.targets).unwrap();
-            let reference = Grads::Graph(whole.backward().unwrap());
-            let bits = |g: &Grads, i: usize| -> Vec<u32> {
-                let t = g.get(i, &vars[i]).unwrap().to_dtype(candle_core::DType::F32).unwrap();
+            let reference = whole.backward().unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let t = t.to_dtype(candle_core::DType::F32).unwrap();
                 t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
             };
             for recompute in [false, true] {
@@ -219,11 +213,10 @@ mod tests {
                 .unwrap();
                 assert_eq!(l.to_bits(), whole.to_scalar::<f32>().unwrap().to_bits());
                 assert_eq!(order, [Unit::Block(2), Unit::Block(1), Unit::Block(0), Unit::Embedding]);
-                let blockwise = Grads::ByParam(all);
                 for (i, spec) in table.specs.iter().enumerate() {
                     assert_eq!(
-                        bits(&blockwise, i),
-                        bits(&reference, i),
+                        bits(all[i].as_ref().unwrap()),
+                        bits(reference.get(vars[i].as_tensor()).unwrap()),
                         "{precision} recompute {recompute}: {}",
                         spec.name
                     );

@@ -15,6 +15,10 @@
 //!   the same topological order, and for every op the buffers its gradient
 //!   rule allocates and frees, in order. The result is the highest number
 //!   of bytes the backward holds on top of the forward's.
+//! - [`Graph::backward_taped`] replays a block's tape
+//!   ([`crate::model::BlockTape`]) the same way, but for the one rule the
+//!   tape changes: a tensor's first gradient is held as it is, not added
+//!   into zeros (the GradStore's `0 + g`).
 //!
 //! The tests hold both numbers against a counting allocator around the real
 //! model. A lesson adds them to its own buffers to predict its peak heap.
@@ -943,8 +947,10 @@ impl ModelShapes {
         g.affine(s)
     }
 
-    /// The whole forward and loss on one (B, T) micro-batch, and its
-    /// backward: lesson 01's `forward_backward`.
+    /// The whole forward and loss on one (B, T) micro-batch, and candle's
+    /// backward of that one graph. No lesson runs it any more (each block is
+    /// taped, [`ModelShapes::block_taped`]); the tests hold the replay to
+    /// candle through every rule the model's ops take here.
     pub fn whole_model(&self, table: &ParamTable, (b, t): (usize, usize)) -> Footprint {
         let mut g = Graph::new();
         let p = self.vars(&mut g, table);

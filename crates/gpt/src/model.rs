@@ -122,11 +122,18 @@ impl Gpt {
     /// way (`sum_keepdim`, b = 0, 1, … in order from 0).
     pub fn embedding_backward(&self, g: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, c) = g.dims3()?;
+        let Some(rest) = self.cfg.block_size.checked_sub(t) else {
+            return Err(GptError::Candle(candle_core::Error::Msg(format!(
+                "embedding backward: T = {t} exceeds the context, {}",
+                self.cfg.block_size
+            ))));
+        };
+        debug_assert!(g.is_contiguous(), "the rows' gradient is a view of g (the tally counts none)");
         let rows = g.reshape((b * t, c))?; // (B·T, C): a view
         let pos = g.sum_keepdim(0)?.squeeze(0)?; // (T, C)
-        let wpe = match self.cfg.block_size - t {
+        let wpe = match rest {
             0 => pos,
-            rest => Tensor::cat(&[&pos, &Tensor::zeros((rest, c), g.dtype(), g.device())?], 0)?,
+            _ => Tensor::cat(&[&pos, &Tensor::zeros((rest, c), g.dtype(), g.device())?], 0)?,
         };
         Ok((rows, wpe))
     }
@@ -380,6 +387,12 @@ mod tests {
         assert_eq!(acc, [1., 1., -1., -1., 1., 1.], "nothing added on a refusal");
     }
 
+    /// A tensor's values as the bits of f64s (exact for f32, bf16 and f64).
+    fn bits(t: &Tensor) -> Vec<u64> {
+        let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+        t.to_vec1::<f64>().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
     /// A block's taped backward gives the bits of candle's backward of the
     /// same block — its input's gradient and all twelve parameters' — in
     /// f32, bf16 and f64, with attention's probabilities kept and
@@ -394,10 +407,6 @@ mod tests {
         let noise =
             |n: usize, rng: &mut crate::rng::SplitMix64| (0..n).map(|_| rng.normal() as f32).collect::<Vec<_>>();
         let (x, g) = (noise(2 * 6 * 16, &mut rng), noise(2 * 6 * 16, &mut rng));
-        let bits = |t: &Tensor| -> Vec<u64> {
-            let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-            t.to_vec1::<f64>().unwrap().iter().map(|v| v.to_bits()).collect()
-        };
         for dtype in [DType::F32, DType::BF16, DType::F64] {
             for probs in [Probs::Keep, Probs::Recompute] {
                 let gpt = Gpt::new(cfg).with_probs(probs);
@@ -441,10 +450,6 @@ mod tests {
         let cfg = GptConfig { vocab_size: 7, block_size: 6, n_layer: 1, n_head: 2, n_embd: 8 };
         let gpt = Gpt::new(cfg);
         let mut rng = crate::rng::SplitMix64::new(3);
-        let bits = |t: &Tensor| -> Vec<u64> {
-            let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-            t.to_vec1::<f64>().unwrap().iter().map(|v| v.to_bits()).collect()
-        };
         for dtype in [DType::F32, DType::BF16, DType::F64] {
             for t in [6, 4] {
                 let g: Vec<f32> = (0..3 * t * 8).map(|_| rng.normal() as f32).collect();

@@ -418,7 +418,7 @@ impl<'w> Session<'w> {
             tape_rows(&mut m, &block);
             held(Unit::Block(i), false, &mut m);
             moments.push(m);
-            // Its graph gone, its gradients are handed on.
+            // Its tape gone, its gradients are handed on.
             let mut m = Moment::new(format!("handing on h.{i}'s gradients, {label}"));
             waiting(&mut m, i);
             carried(&mut m);
@@ -430,9 +430,8 @@ impl<'w> Session<'w> {
         }
         let mut m = Moment::new(format!("embedding backward, {label}"));
         carried(&mut m);
-        m.add(&format!("wte's whole gradient ({dt})"), v * c, e, "lm_head part + the rows, index-added");
         ids(&mut m);
-        embedding_rows(&mut m, &shapes.embedding_backward((b, t)));
+        embedding_rows(&mut m, &shapes.embedding_backward((b, t)), v * c * e);
         held(Unit::Embedding, false, &mut m);
         moments.push(m);
         let mut m = Moment::new(format!("handing on the root's gradients, {label}"));
@@ -446,8 +445,8 @@ impl<'w> Session<'w> {
     }
 
     /// The moments of one micro-batch of [`Session::forward_backward`]: its
-    /// backward (the whole graph's, or block by block under `recompute`, the
-    /// gradients collected so far waiting), then the adding of its gradients
+    /// backward, block by block (the gradients collected so far waiting),
+    /// with or without `recompute`, then the adding of its gradients
     /// to the sums (`add_label`). `held(adding, m)`: what the lesson holds
     /// besides, at the backward (`false`) or at the add (`true`).
     pub fn whole_model_moments(
@@ -470,8 +469,8 @@ impl<'w> Session<'w> {
         moments
     }
 
-    /// Gradient elements a collecting backward (`forward_backward` under
-    /// recompute) holds when `unit`'s backward runs, block by block, last
+    /// Gradient elements a collecting backward (`forward_backward`) holds
+    /// when `unit`'s backward runs, block by block, last
     /// first: every block after it. (At a hand-off, [`Session::blockwise_moments`]
     /// counts the unit's own.)
     pub fn grads_collected(&self, unit: Unit) -> usize {
@@ -723,10 +722,21 @@ pub fn pass_rows(m: &mut Moment, f: &Footprint, graph: &str) {
     backward_rows(m, f);
 }
 
-/// The embedding's backward ([`fsdp_gpt::model::Gpt::embedding_backward`]):
-/// no graph; wpe's gradient and its scratch at the busiest.
-pub fn embedding_rows(m: &mut Moment, f: &Footprint) {
-    m.add("the embedding's backward", f.backward_peak, 1, "wpe's gradient: the positions' sums, zeros beyond");
+/// The embedding's backward ([`fsdp_gpt::model::Gpt::embedding_backward`],
+/// no graph), then `wte`'s whole gradient formed from it (`tied` bytes, an
+/// index_add): at the busiest of the two, the backward's scratch, or wpe's
+/// gradient and the tied one.
+pub fn embedding_rows(m: &mut Moment, f: &Footprint, tied: usize) {
+    if f.backward_peak > f.grad_store + tied {
+        m.add("the embedding's backward", f.backward_peak, 1, "wpe's gradient being made: the positions' sums");
+    } else {
+        m.add("wpe's gradient", f.grad_store, 1, "the positions' sums, zeros beyond").add(
+            "wte's whole gradient",
+            tied,
+            1,
+            "lm_head part + the rows, index-added",
+        );
+    }
 }
 
 /// A block on a tape ([`fsdp_gpt::model::BlockTape`]): what it keeps, and
@@ -765,6 +775,6 @@ pub fn widen_row(m: &mut Moment, elem: usize, numel: usize) {
 pub fn recompute_note(recompute: bool) -> String {
     match recompute {
         true => "recomputed block by block (--recompute): inputs kept, one more forward".into(),
-        false => "kept for backward (the whole graph)".into(),
+        false => "kept for backward (on each block's tape)".into(),
     }
 }

@@ -128,15 +128,20 @@ fn rows_f32(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS] {
     rstd
 }
 
+// The AVX2 rows below take one row per lane of an eight-lane register.
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(ROWS == 8, "one row per AVX2 lane");
+
 /// The eight rows' values at steps `kk .. kk + 8` of c, one vector per step
 /// (lane r: row r's value): eight loads and a transpose in registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
 fn columns8(rows: &[&[f32]; ROWS], kk: usize) -> [std::arch::x86_64::__m256; 8] {
-    // SAFETY: the callers pass kk + 8 ≤ c, each row's length.
-    super::common::transpose8(std::array::from_fn(|r| unsafe {
-        std::arch::x86_64::_mm256_loadu_ps(rows[r].as_ptr().add(kk))
+    super::common::transpose8(std::array::from_fn(|r| {
+        let eight = &rows[r][kk..kk + 8]; // checked: a short row panics, never reads past its end
+        // SAFETY: `eight` holds eight f32s; an unaligned load.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(eight.as_ptr()) }
     }))
 }
 
@@ -594,6 +599,45 @@ mod tests {
         let (dx, dw, db) = backward_rows(&x, &w, &g, c, 1e-5f32, row_f32, row_backward_f32);
         let (sdx, sdw, sdb) = backward_f32(&x, &w, &g, c, 1e-5);
         assert_eq!([bits(&sdx), bits(&sdw), bits(&sdb)], [bits(&dx), bits(&dw), bits(&db)]);
+    }
+
+    /// Both ways of taking eight rows at once — AVX2's lanes where the CPU
+    /// has them, and the baseline's loop — give each row's chains of one row
+    /// at a time, forward (x̂ and 1/σ) and backward (its two sums), with a
+    /// remainder of C past the lanes; and a row whose gradient is all zeros
+    /// gets +0 input gradients, not −0, even where w < 0 (as candle's
+    /// GradStore, which adds every gradient to +0, would hand them on).
+    #[test]
+    fn both_row_paths_give_one_rows_chains_and_a_zero_gradient_is_plus_zero() {
+        let c = 45;
+        let vals = |n, seed| random(&[n], seed).to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        let (x, g, w) = (vals(ROWS * c, 31), vals(ROWS * c, 32), vals(c, 33));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for lanes in [false, avx2()] {
+            let mut xhat = vec![0f32; ROWS * c];
+            let rstd = rows(lanes, &x, &mut xhat, c, 1e-5);
+            let gs: [&[f32]; ROWS] = std::array::from_fn(|r| &g[r * c..][..c]);
+            let hs: [&[f32]; ROWS] = std::array::from_fn(|r| &xhat[r * c..][..c]);
+            let (sum_g, sum_gx) = sums(lanes, &gs, &hs, &w);
+            for r in 0..ROWS {
+                let mut h = vec![0f32; c];
+                let one = row_f32(&x[r * c..][..c], &mut h, 1e-5);
+                assert_eq!((bits(hs[r]), one.to_bits()), (bits(&h), rstd[r].to_bits()), "AVX2 {lanes}: row {r}");
+                let (mut sg, mut sgx) = (0f32, 0f32);
+                for k in 0..c {
+                    sg += gs[r][k] * w[k];
+                    sgx += gs[r][k] * w[k] * h[k];
+                }
+                assert_eq!(
+                    [sum_g[r].to_bits(), sum_gx[r].to_bits()],
+                    [sg.to_bits(), sgx.to_bits()],
+                    "AVX2 {lanes}: row {r}"
+                );
+            }
+        }
+        let w: Vec<f32> = w.iter().map(|v| -v.abs()).collect(); // every weight negative: g·w = −0
+        let (dx, _, _) = backward_f32(&x, &w, &vec![0f32; ROWS * c], c, 1e-5);
+        assert!(dx.iter().all(|v| v.to_bits() == 0), "a zero gradient gives +0");
     }
 
     /// bf16 is widened, computed in f32 and rounded once.
