@@ -171,7 +171,7 @@ pub fn gathered_ahead(plan: &[Phase], at: usize, depth: usize) -> impl Iterator<
 /// the last block's forward runs (only the root's small gather is next), and
 /// through the first backward entry (no gradient is ready to reduce-scatter
 /// yet). A second gather in flight fills those gaps, for one more unit
-/// unsharded (FSDP1 capped the gathers in flight at two, `limit_all_gathers`).
+/// unsharded (FSDP1's `limit_all_gathers` kept two: this unit and the next).
 pub const DEFAULT_PREFETCH_DEPTH: usize = 2;
 
 /// `--prefetch` and `--prefetch-depth` as the command line gives them.

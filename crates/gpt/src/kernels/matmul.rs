@@ -870,32 +870,14 @@ fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut 
                         *ri = _mm256_loadu_ps(line.as_ptr().add(kk));
                     }
                     // r[i] = line g+i at k = kk..kk+8  →  t[j] = every line's value at k = kk+j
-                    let (u0, u1) = (_mm256_unpacklo_ps(r[0], r[1]), _mm256_unpackhi_ps(r[0], r[1]));
-                    let (u2, u3) = (_mm256_unpacklo_ps(r[2], r[3]), _mm256_unpackhi_ps(r[2], r[3]));
-                    let (u4, u5) = (_mm256_unpacklo_ps(r[4], r[5]), _mm256_unpackhi_ps(r[4], r[5]));
-                    let (u6, u7) = (_mm256_unpacklo_ps(r[6], r[7]), _mm256_unpackhi_ps(r[6], r[7]));
-                    let s = [
-                        _mm256_shuffle_ps::<0x44>(u0, u2), // lines 0-3 at k 0 | 4
-                        _mm256_shuffle_ps::<0xEE>(u0, u2), // 1 | 5
-                        _mm256_shuffle_ps::<0x44>(u1, u3), // 2 | 6
-                        _mm256_shuffle_ps::<0xEE>(u1, u3), // 3 | 7
-                        _mm256_shuffle_ps::<0x44>(u4, u6), // lines 4-7, likewise
-                        _mm256_shuffle_ps::<0xEE>(u4, u6),
-                        _mm256_shuffle_ps::<0x44>(u5, u7),
-                        _mm256_shuffle_ps::<0xEE>(u5, u7),
-                    ];
-                    for j in 0..4 {
-                        let lo = _mm256_permute2f128_ps::<0x20>(s[j], s[j + 4]); // k = kk + j
-                        let hi = _mm256_permute2f128_ps::<0x31>(s[j], s[j + 4]); // k = kk + j + 4
-                        for (t, at) in [(lo, kk + j), (hi, kk + j + 4)] {
-                            let d = dst.add(at * W + g);
-                            if n == 8 {
-                                _mm256_storeu_ps(d, t);
-                            } else {
-                                // the 6 lines of an MR panel: 4 values, then 2
-                                _mm_storeu_ps(d, _mm256_castps256_ps128(t));
-                                _mm_storel_epi64(d.add(4).cast(), _mm_castps_si128(_mm256_extractf128_ps::<1>(t)));
-                            }
+                    for (j, t) in super::common::transpose8(r).into_iter().enumerate() {
+                        let d = dst.add((kk + j) * W + g);
+                        if n == 8 {
+                            _mm256_storeu_ps(d, t);
+                        } else {
+                            // the 6 lines of an MR panel: 4 values, then 2
+                            _mm_storeu_ps(d, _mm256_castps256_ps128(t));
+                            _mm_storel_epi64(d.add(4).cast(), _mm_castps_si128(_mm256_extractf128_ps::<1>(t)));
                         }
                     }
                 }
