@@ -1027,7 +1027,8 @@ impl ModelShapes {
     pub fn embedding_backward(&self, (_b, t): (usize, usize)) -> Footprint {
         let (c, bs, e) = (self.cfg.n_embd, self.cfg.block_size, self.elem);
         let wpe = bs * c * e;
-        let peak = if t < bs { t * c * e + (bs - t) * c * e + wpe } else { wpe };
+        // Short of the context: the sums (T, C) and the zeros (block_size − T, C), a wpe's worth, beside the cat.
+        let peak = if t < bs { 2 * wpe } else { wpe };
         Footprint { activations: 0, backward_peak: peak, grad_store: wpe, var_grads: wpe, var_grads_at_peak: 0 }
     }
 }

@@ -52,6 +52,17 @@ fn measure(forward: impl FnOnce() -> Tensor) -> Footprint {
     Footprint { activations, backward_peak, grad_store, var_grads: 0, var_grads_at_peak: 0 }
 }
 
+/// Runs a backward that needs no graph (`run`): the most it held at once
+/// above the heap live before it, and what it left live; then drops that.
+fn held_by<R>(run: impl FnOnce() -> R) -> (usize, usize) {
+    let at = live();
+    PEAK.store(at, Relaxed);
+    let left = run();
+    let held = (PEAK.load(Relaxed) - at, live() - at);
+    drop(left);
+    held
+}
+
 /// At least the model, and within 1% of it plus `slack` bytes: candle's
 /// small allocations — each op's tensor, shape and strides (about 100 bytes,
 /// some 200 ops per block), the GradStore's map — which the model leaves out
@@ -170,11 +181,7 @@ fn the_head_and_the_embedding_backward_hold_what_the_shapes_say() {
         // The embedding's backward has no graph: the whole context, and half of it (wpe's rest zeros).
         for t in [t, t / 2] {
             let g = randn(&[b, t, c], dt);
-            let at = live();
-            PEAK.store(at, Relaxed);
-            let (rows, wpe) = gpt.embedding_backward(&g).unwrap();
-            let (backward_peak, grad_store) = (PEAK.load(Relaxed) - at, live() - at);
-            drop((rows, wpe));
+            let (backward_peak, grad_store) = held_by(|| gpt.embedding_backward(&g).unwrap());
             let measured = Footprint { activations: 0, backward_peak, grad_store, var_grads: 0, var_grads_at_peak: 0 };
             check(
                 &format!("{preset} {precision} embedding backward, T = {t}"),
@@ -200,11 +207,8 @@ fn a_block_on_a_tape_holds_what_the_shapes_say() {
         let before = live();
         let (y, tape) = gpt.block_taped(&p, &x).unwrap();
         let activations = live() - before;
-        let at = live();
-        PEAK.store(at, Relaxed);
-        let (dx, grads) = tape.backward(&g).unwrap();
-        let (backward_peak, grad_store) = (PEAK.load(Relaxed) - at, live() - at);
-        drop((y, tape, dx, grads));
+        let (backward_peak, grad_store) = held_by(|| tape.backward(&g).unwrap());
+        drop((y, tape));
         let measured = Footprint { activations, backward_peak, grad_store, var_grads: 0, var_grads_at_peak: 0 };
         let shapes = ModelShapes { cfg, elem: precision.bytes(), probs };
         let model = shapes.block_taped((b, t));

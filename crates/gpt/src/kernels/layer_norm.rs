@@ -102,30 +102,68 @@ const ROWS: usize = 8;
 /// overlap instead of each waiting for the one before it (a row alone is
 /// one long chain of dependent adds). Returns each row's 1/σ.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // k walks every row's elements at once: rows[r][k]
 fn rows_f32(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS] {
-    let n = c as f32;
     let rows: [&[f32]; ROWS] = std::array::from_fn(|r| &x[r * c..][..c]);
-    let mut sum = [0f32; ROWS];
-    for k in 0..c {
+    let mean = row_sums(&rows, 0, [0.0; ROWS]).map(|s| s / c as f32);
+    let sq = row_squares(&rows, &mean, 0, [0.0; ROWS]);
+    normalize(&rows, &mean, sq, eps, xhat)
+}
+
+/// Each row's sum continued over its steps `from..`, in order: `sum[r] += rows[r][k]`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // k walks every row's elements at once: rows[r][k]
+fn row_sums(rows: &[&[f32]; ROWS], from: usize, mut sum: [f32; ROWS]) -> [f32; ROWS] {
+    for k in from..rows[0].len() {
         for r in 0..ROWS {
             sum[r] += rows[r][k];
         }
     }
-    let mean = sum.map(|s| s / n);
-    let mut sq = [0f32; ROWS];
-    for k in 0..c {
+    sum
+}
+
+/// Each row's squared deviations from its mean, continued likewise.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn row_squares(rows: &[&[f32]; ROWS], mean: &[f32; ROWS], from: usize, mut sq: [f32; ROWS]) -> [f32; ROWS] {
+    for k in from..rows[0].len() {
         for r in 0..ROWS {
             sq[r] += (rows[r][k] - mean[r]) * (rows[r][k] - mean[r]);
         }
     }
+    sq
+}
+
+/// Each row's x̂ into `xhat` from its mean and squared deviations; returns each 1/σ.
+#[inline(always)]
+fn normalize(rows: &[&[f32]; ROWS], mean: &[f32; ROWS], sq: [f32; ROWS], eps: f32, xhat: &mut [f32]) -> [f32; ROWS] {
+    let n = rows[0].len() as f32;
     let rstd = sq.map(|s| 1.0 / (s / n + eps).sqrt());
-    for (r, h) in xhat.chunks_exact_mut(c).enumerate() {
+    for (r, h) in xhat.chunks_exact_mut(rows[0].len()).enumerate() {
         for (h, &v) in h.iter_mut().zip(rows[r]) {
             *h = (v - mean[r]) * rstd[r];
         }
     }
     rstd
+}
+
+/// The backward's two sums of each row continued over steps `from..` of c,
+/// in order: `Σ g·w` and `Σ g·w·x̂`, each product rounded as written.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn grad_sums(
+    gs: &[&[f32]; ROWS],
+    hs: &[&[f32]; ROWS],
+    w: &[f32],
+    from: usize,
+    (mut sum_g, mut sum_gx): ([f32; ROWS], [f32; ROWS]),
+) -> ([f32; ROWS], [f32; ROWS]) {
+    for k in from..w.len() {
+        for r in 0..ROWS {
+            sum_g[r] += gs[r][k] * w[k];
+            sum_gx[r] += gs[r][k] * w[k] * hs[r][k];
+        }
+    }
+    (sum_g, sum_gx)
 }
 
 // The AVX2 rows below take one row per lane of an eight-lane register.
@@ -153,7 +191,6 @@ fn columns8(rows: &[&[f32]; ROWS], kk: usize) -> [std::arch::x86_64::__m256; 8] 
 #[target_feature(enable = "avx2")]
 fn rows_f32_avx2(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS] {
     use std::arch::x86_64::*;
-    let n = c as f32;
     let rows: [&[f32]; ROWS] = std::array::from_fn(|r| &x[r * c..][..c]);
     let c8 = c / 8 * 8;
     let lanes = |v: __m256| -> [f32; ROWS] {
@@ -168,13 +205,7 @@ fn rows_f32_avx2(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS]
             acc = _mm256_add_ps(acc, t);
         }
     }
-    let mut sum = lanes(acc);
-    for k in c8..c {
-        for (s, row) in sum.iter_mut().zip(&rows) {
-            *s += row[k];
-        }
-    }
-    let mean = sum.map(|s| s / n);
+    let mean = row_sums(&rows, c8, lanes(acc)).map(|s| s / c as f32); // the last c % 8 steps one by one
     // SAFETY: mean holds eight f32s.
     let mv = unsafe { _mm256_loadu_ps(mean.as_ptr()) };
     let mut acc = _mm256_setzero_ps();
@@ -184,19 +215,8 @@ fn rows_f32_avx2(x: &[f32], xhat: &mut [f32], c: usize, eps: f32) -> [f32; ROWS]
             acc = _mm256_add_ps(acc, _mm256_mul_ps(d, d)); // a product, then a sum: as rows_f32, no FMA
         }
     }
-    let mut sq = lanes(acc);
-    for k in c8..c {
-        for ((s, row), m) in sq.iter_mut().zip(&rows).zip(&mean) {
-            *s += (row[k] - m) * (row[k] - m);
-        }
-    }
-    let rstd = sq.map(|s| 1.0 / (s / n + eps).sqrt());
-    for (r, h) in xhat.chunks_exact_mut(c).enumerate() {
-        for (h, &v) in h.iter_mut().zip(rows[r]) {
-            *h = (v - mean[r]) * rstd[r];
-        }
-    }
-    rstd
+    let sq = row_squares(&rows, &mean, c8, lanes(acc));
+    normalize(&rows, &mean, sq, eps, xhat)
 }
 
 /// The backward's two sums of `ROWS` rows side by side, `Σ g·w` and
@@ -220,13 +240,7 @@ fn backward_sums_avx2(gs: &[&[f32]; ROWS], hs: &[&[f32]; ROWS], w: &[f32]) -> ([
     let (mut sum_g, mut sum_gx) = ([0f32; ROWS], [0f32; ROWS]);
     // SAFETY: each array holds eight f32s.
     unsafe { (_mm256_storeu_ps(sum_g.as_mut_ptr(), sg), _mm256_storeu_ps(sum_gx.as_mut_ptr(), sgx)) };
-    for k in c8..c {
-        for r in 0..ROWS {
-            sum_g[r] += gs[r][k] * w[k];
-            sum_gx[r] += gs[r][k] * w[k] * hs[r][k];
-        }
-    }
-    (sum_g, sum_gx)
+    grad_sums(gs, hs, w, c8, (sum_g, sum_gx)) // the last c % 8 steps one by one
 }
 
 /// The f32 forward: `ROWS` rows at a time through [`rows_f32`] (with AVX2,
@@ -342,14 +356,7 @@ fn sums(avx2: bool, gs: &[&[f32]; ROWS], hs: &[&[f32]; ROWS], w: &[f32]) -> ([f3
         return unsafe { backward_sums_avx2(gs, hs, w) };
     }
     let _ = avx2;
-    let (mut sum_g, mut sum_gx) = ([0f32; ROWS], [0f32; ROWS]);
-    for k in 0..w.len() {
-        for r in 0..ROWS {
-            sum_g[r] += gs[r][k] * w[k];
-            sum_gx[r] += gs[r][k] * w[k] * hs[r][k];
-        }
-    }
-    (sum_g, sum_gx)
+    grad_sums(gs, hs, w, 0, ([0.0; ROWS], [0.0; ROWS]))
 }
 
 /// The shared forward: per row, x̂ (scaled and shifted into `y`), in f32 or f64.
