@@ -30,7 +30,6 @@ use fsdp_comm::{Adding, MicroBatchSum, Pending, World};
 use fsdp_gpt::blockwise::{self, Mark};
 use fsdp_gpt::model::add_into;
 use fsdp_gpt::{ParamTable, Unit};
-use fsdp_harness::session::widen_row;
 use fsdp_harness::{MemoryTally, Moment, Session};
 
 /// One bucket: which units, where their gradients sit in the flat vector,
@@ -223,13 +222,7 @@ impl Buckets {
         recompute: bool,
         held: &mut dyn FnMut(&mut Moment),
     ) -> Vec<Moment> {
-        s.blockwise_moments(elem, recompute, "my last micro-batch", &mut |unit, handed, m| {
-            held(m);
-            if handed {
-                let largest = s.table.unit_params(unit).map(|i| s.table.specs[i].numel()).max().unwrap_or(0);
-                widen_row(m, elem, largest);
-            }
-        })
+        s.blockwise_moments(elem, recompute, "my last micro-batch", &mut |_, _, m| held(m))
     }
 
     /// Where unit `u`'s gradient sits in the padded flat vector (the root,

@@ -4,16 +4,18 @@
 use anyhow::Context;
 use candle_core::{Tensor, Var};
 use fsdp_comm::{Comm, ExactSquares, MicroBatchSum};
-use fsdp_gpt::model::add_grads;
+use fsdp_gpt::model::BlockTape;
+use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_harness::Session;
 
-use crate::layerwise_shard::run_blocks;
 use crate::units::FsdpUnit;
 
-/// 3.1: the gradient of sum(out · g) with g held constant is g pulled back
-/// through the unit (PyTorch: `torch.autograd.backward(out, grad_tensors=g)`),
-/// so one backward of that scalar gives the weights' and the input's
-/// gradients, the same bits as one backward through the whole graph (and lesson 01's).
+/// 3.1: each of the unit's blocks recomputed on a tape (chapter 01's), then
+/// the upstream gradient pulled back through the tapes, last block first:
+/// each block's backward gives its weights' gradients and its input's, the
+/// bits of one backward through the whole graph (and lesson 01's). The
+/// micro-batch's slot of the sum is taken once its first gradients exist,
+/// and each block's gradients go onto it as soon as they are made.
 pub fn backward_entry(
     s: &Session,
     unit: &FsdpUnit,
@@ -21,14 +23,35 @@ pub fn backward_entry(
     inputs: &[Tensor],
     upstream: &mut [Tensor],
 ) -> anyhow::Result<MicroBatchSum> {
-    let tracked: Vec<Tensor> = p.iter().map(|v| v.as_tensor().clone()).collect(); // a graph to the Vars
+    let detached: Vec<Tensor> = p.iter().map(|v| v.as_detached_tensor()).collect(); // a tape needs no graph
+    let block = |b: usize| b * PARAMS_PER_BLOCK..(b + 1) * PARAMS_PER_BLOCK;
     let mut sum = s.grad_sum(unit.layout().padded);
     for (x, g) in inputs.iter().zip(upstream.iter_mut()) {
-        let x = Var::from_tensor(x)?; // a leaf, so backward reaches the input
-        let out = run_blocks(s, unit, &tracked, x.as_tensor())?; // recompute, with a graph
-        let grads = (out * &*g)?.sum_all()?.backward()?;
-        sum.add(|buf| add_grads(&grads, p, buf))?;
-        *g = grads.get(&x).context("unit input grad")?.detach();
+        let mut tapes = Vec::with_capacity(unit.blocks());
+        let mut x = x.clone();
+        for b in 0..unit.blocks() {
+            let (y, tape) = s.model.block_taped(&detached[block(b)], &x)?; // recompute, keeping the tape
+            tapes.push(tape);
+            x = y;
+        }
+        drop(x); // the unit's output: forward already passed it on
+        // Pulls g back through block b's tape (dropping it): the block's gradients, by parameter entry.
+        let back = |b: usize, tape: BlockTape, g: &mut Tensor| -> anyhow::Result<Vec<(usize, Tensor)>> {
+            let (dx, grads) = tape.backward(g)?;
+            *g = dx; // the block below's upstream gradient
+            Ok(unit.params()[block(b)].iter().copied().zip(grads).collect())
+        };
+        let mut tapes = tapes.into_iter().enumerate().rev();
+        let (last, tape) = tapes.next().context("a unit of no blocks has no backward")?;
+        let grads = back(last, tape, g)?;
+        let mut slot = sum.begin(); // the micro-batch's slot of the sum, once its first gradients exist
+        unit.add_grads(&grads, slot.gradient())?;
+        drop(grads);
+        for (b, tape) in tapes {
+            unit.add_grads(&back(b, tape, g)?, slot.gradient())?;
+        }
+        slot.done(0..slot.len());
+        slot.finish();
     }
     Ok(sum)
 }

@@ -28,14 +28,21 @@ use crate::units::FsdpUnit;
 /// to the unit's *output* for that micro-batch, (B, T, C). For each of my
 /// micro-batches, in order:
 ///
-/// 1. recompute the unit's forward from its saved input, this time with a
-///    graph that leads back to the weights (`crate::layerwise_shard` has the
-///    function that runs a unit's blocks on tensors);
-/// 2. pull `upstream[k]` back through it: one backward whose gradients are
-///    the unit's weight gradients and its input's gradient;
+/// 1. recompute the unit's forward from its saved input, each of its blocks
+///    on a tape (`Gpt::block_taped`, chapter 01's "The backward, block by
+///    block"), keeping every block's tape;
+/// 2. pull `upstream[k]` back through the tapes, last block first
+///    (`BlockTape::backward`): each gives its block's weight gradients, and
+///    its input's gradient, the upstream gradient of the block below;
 /// 3. add the weight gradients to the unit's gradient sum (a
-///    `MicroBatchSum` of the unit's padded length, which the session makes);
-/// 4. replace `upstream[k]` by the input's gradient: the next unit down needs it.
+///    `MicroBatchSum` of the unit's padded length, which the session makes;
+///    `FsdpUnit::add_grads` puts gradients given by parameter entry in
+///    their places);
+/// 4. replace `upstream[k]` by the unit input's gradient: the next unit down needs it.
+///
+/// (candle's autograd gives the same bits — one backward of a scalar whose
+/// gradient with respect to the unit's output is `upstream[k]` — holding
+/// more memory: its graph, and every gradient added into zeros first.)
 ///
 /// Return the sum; the step reduce-scatters it and frees the weights.
 pub fn backward_entry(

@@ -4,7 +4,7 @@
 use fsdp_comm::ShardLayout;
 use fsdp_gpt::kernels::Probs;
 use fsdp_gpt::memory::block_activations;
-use fsdp_harness::session::{embedding_rows, pass_rows, widen_row};
+use fsdp_harness::session::{embedding_rows, pass_rows, tape_rows};
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
@@ -37,6 +37,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
     s.data_tally(&mut k);
 
     let shapes = s.shapes(e);
+    let tape = shapes.block_taped((b, t)); // a block recomputed on its tape, and its backward
+    let block_numel = s.table.unit_range(fsdp_gpt::Unit::Block(0)).len();
     let blocks = units.len() - 1; // block units
     let ids = |m: &mut Moment| {
         m.add("micro-batch token ids", mine * 2 * b * t, 4, "inputs and targets of my micro-batches");
@@ -133,7 +135,6 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
             m
         })
     };
-    let largest_tensor = |u: &FsdpUnit| u.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
     // Where the head's and block unit u's backward entries are in the schedule.
     let (head_at, backward_at) = (blocks + 1, |u: usize| 2 * blocks + 2 - u);
     let recomputed = |m: &mut Moment| {
@@ -184,48 +185,44 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph");
         prefetched(&mut m, head_at);
         moments.push(m);
-        // Each block unit's recompute and backward.
+        // Each block unit's recompute and backward: its blocks recomputed on
+        // tapes, then pulled back through them last first, each block's
+        // gradients added onto the micro-batch's slot of the sum at once.
         for u in (1..=blocks).rev() {
             let unit = &units[u];
-            let mut m = Moment::new(format!("recompute+backward of {}, micro-batch {k}", unit.name()));
-            m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use").add(
-                &format!("saved unit inputs ({dt})"),
-                u * mine * btc,
-                e,
-                "(B, T, C) per unit and micro-batch",
-            );
-            carried(&mut m, mine);
-            sums(&mut m, unit, k);
-            m.add(&format!("the unit's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
-            ids(&mut m);
-            let f = shapes.blocks_recomputed(unit.blocks(), (b, t));
-            pass_rows(&mut m, &f, "the unit's recomputed graph");
-            prefetched(&mut m, backward_at(u));
-            reducing(&mut m, units.get(u + 1));
-            moments.push(m);
-            // Then its gradient is added to the unit's sum, the graph still alive.
-            let mut m = Moment::new(format!("adding {}'s gradient of micro-batch {k}", unit.name()));
-            m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use").add(
-                &format!("saved unit inputs ({dt})"),
-                u * mine * btc,
-                e,
-                "(B, T, C) per unit and micro-batch",
-            );
-            carried(&mut m, mine);
-            sums(&mut m, unit, k + 1);
-            m.add(&format!("the unit's input as a Var ({dt})"), btc, e, "a copy, so backward reaches it");
-            ids(&mut m);
-            m.add(
-                "activations the graph keeps",
-                f.activations,
-                1,
-                "the unit's recomputed graph, until the next micro-batch",
-            )
-            .add("candle's GradStore", f.grad_store, 1, "the unit's gradients and its input's");
-            widen_row(&mut m, e, largest_tensor(unit));
-            prefetched(&mut m, backward_at(u));
-            reducing(&mut m, units.get(u + 1));
-            moments.push(m);
+            let base = |m: &mut Moment, slots: usize, waiting: usize| {
+                m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use").add(
+                    &format!("saved unit inputs ({dt})"),
+                    u * mine * btc,
+                    e,
+                    "(B, T, C) per unit and micro-batch",
+                );
+                carried(m, mine);
+                sums(m, unit, slots);
+                if waiting > 0 {
+                    m.add("block tapes waiting for backward", waiting * tape.activations, 1, "the unit's blocks below");
+                }
+                ids(m);
+                prefetched(m, backward_at(u));
+                reducing(m, units.get(u + 1));
+            };
+            for j in (0..unit.blocks()).rev() {
+                let which = match unit.blocks() {
+                    1 => String::new(),
+                    _ => format!(" (block {j})"),
+                };
+                // Block j's backward: the slot is taken after the unit's last block's.
+                let slots = if j + 1 == unit.blocks() { k } else { k + 1 };
+                let mut m = Moment::new(format!("recompute+backward of {}{which}, micro-batch {k}", unit.name()));
+                base(&mut m, slots, j);
+                tape_rows(&mut m, &tape);
+                moments.push(m);
+                // Its tape gone, its gradients are added onto the slot.
+                let mut m = Moment::new(format!("adding {}{which}'s gradients, micro-batch {k}", unit.name()));
+                base(&mut m, k + 1, j);
+                m.add(&format!("the block's gradients ({dt})"), block_numel, e, "added onto the sum, then freed");
+                moments.push(m);
+            }
             if k + 1 == mine {
                 moments.extend(send_moment(unit, backward_at(u), (u - 1) * mine * btc, mine)); // its own inputs gone
             }
@@ -262,7 +259,6 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
             1,
             "the rows' gradient is a view of the upstream one",
         );
-        widen_row(&mut m, e, v * c);
         ids(&mut m);
         reducing(&mut m, units.get(1));
         moments.push(m);

@@ -2,7 +2,6 @@
 //! (the paper's formulas, `just tally 7B 64`), and from this run's shapes,
 //! category by category, for data parallelism and each stage side by side.
 use fsdp_gpt::Unit;
-use fsdp_harness::session::widen_row;
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 use step03_layerwise_shard::units::{FsdpUnit, in_flight_part, largest_padded, receive_buffers};
@@ -236,10 +235,7 @@ fn blockwise_moments(s: &Session, units: &[FsdpUnit], recompute: bool, k: usize,
         // hand-off waits for it (just before it adds).
         let in_flight = (overlap && last && !handed && before > 0).then(|| order[before - 1]);
         if handed {
-            // Adding it: one tensor at a time widened to fp32 under bf16.
             let unit = &units[unit_of(now)];
-            let largest = unit.params().iter().map(|&i| s.table.specs[i].numel()).max().unwrap_or(0);
-            widen_row(m, e, largest);
             let groups = s.sum_groups.per_rank();
             if last && groups > 1 {
                 m.add("send buffer", groups * unit.layout().padded, 4, "its group sums packed per destination");

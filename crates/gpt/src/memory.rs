@@ -496,15 +496,28 @@ impl Op {
 }
 
 /// Bytes our matmul allocates while it runs besides its output: the packed
-/// panels of `a` and `b`, and under bf16 the f32 products before rounding.
+/// panels of `a` and `b` ([`panels`]), and under bf16 the f32 products before rounding.
 fn matmul_transient(m: usize, k: usize, n: usize, out_elems: usize, elem: usize) -> usize {
-    const MR: usize = 6;
-    const NR: usize = 16;
-    let panels = 4 * (m.div_ceil(MR) * MR * k + n.div_ceil(NR) * NR * k);
+    let panels = panels(m, k, n, elem);
     match elem {
         4 => panels,
         _ => panels.max(2 * out_elems) + 4 * out_elems, // f32 products, then rounded into the output
     }
+}
+
+/// The packed panels of `a` and `b` for an `m` × `k` × `n` product of
+/// operands of `elem` bytes: f32 values, 4 bytes per element, where the
+/// tiles are f32's (f32 operands, and bf16 ones widened where the CPU
+/// emulates bf16's products); bf16 pairs, 4 bytes per two, where VDPBF16PS
+/// multiplies them ([`crate::kernels::Bf16Dot`]).
+fn panels(m: usize, k: usize, n: usize, elem: usize) -> usize {
+    const MR: usize = 6;
+    const NR: usize = 16;
+    let k = match (elem, crate::kernels::Bf16Dot::in_use()) {
+        (2, crate::kernels::Bf16Dot::Native) => k.div_ceil(2),
+        _ => k,
+    };
+    4 * (m.div_ceil(MR) * MR * k + n.div_ceil(NR) * NR * k)
 }
 
 /// Where a gradient rule's operand comes from: a forward tensor (alive for
@@ -662,87 +675,91 @@ impl Backward<'_> {
     }
 
     /// [`crate::kernels::linear`]'s backward up to its gradients `[dx, dw, db]`, made (not yet
-    /// added). `dh`, a gradient the layer took ([`Op::LinearThen`]'s), goes as it goes there:
-    /// under bf16 once widened, else when the products are done.
+    /// added). `dh`, a gradient the layer took ([`Op::LinearThen`]'s), goes once the three are made.
     fn linear_grads(&mut self, x: usize, w: usize, dh: Option<usize>) -> [usize; 3] {
-        // dx = g·w and dw = gᵀ·x as f32 products (bf16: from widened
-        // copies, then rounded into new tensors), db the rows' sum.
+        // dx = g·w and dw = gᵀ·x as f32 products, read from the operands as
+        // they are (bf16 widened as it is packed); db the rows' sum. Under
+        // bf16 each is rounded into a new tensor at once, its f32 gone.
         let (n_out, n_in) = (self.g.nodes[w].shape[0], self.g.nodes[w].shape[1]);
         let (rows, elem) = (self.g.nodes[x].numel() / n_in, self.g.nodes[x].elem);
         let f32s = [rows * n_in * 4, n_out * n_in * 4, n_out * 4]; // dx, dw, db in f32
-        let wide = if elem == 2 { 4 * (rows * n_in + n_out * n_in + rows * n_out) } else { 0 };
-        // each product allocates its result, then packs its panels
-        self.live += wide;
-        if elem == 2 {
-            dh.into_iter().for_each(|t| self.drop_(t));
-        }
-        let made = match elem {
-            4 => {
-                let dx = self.make(f32s[0], &[]);
-                self.transient(matmul_transient(rows, n_out, n_in, 0, 4));
-                let dw = self.make(f32s[1], &[]);
-                self.transient(matmul_transient(n_out, rows, n_in, 0, 4));
-                [dx, dw, self.make(f32s[2], &[])]
-            }
-            _ => {
-                self.live += f32s[0];
-                self.transient(matmul_transient(rows, n_out, n_in, 0, 4));
-                self.live += f32s[1];
-                self.transient(matmul_transient(n_out, rows, n_in, 0, 4));
-                self.live += f32s[2];
-                let mut made = [0; 3];
-                for (k, f) in f32s.into_iter().enumerate() {
-                    made[k] = self.make(f / 2, &[]); // rounded into bf16; its f32 goes
-                    self.live -= f;
+        let panels = [panels(rows, n_out, n_in, elem), panels(n_out, rows, n_in, elem), 0];
+        let mut made = [0; 3];
+        for k in 0..3 {
+            // each product allocates its result, then packs its panels
+            made[k] = match elem {
+                4 => {
+                    let t = self.make(f32s[k], &[]);
+                    self.transient(panels[k]);
+                    t
                 }
-                made
-            }
-        };
-        self.live -= wide;
-        if elem != 2 {
-            dh.into_iter().for_each(|t| self.drop_(t));
+                _ => {
+                    self.live += f32s[k];
+                    self.transient(panels[k]);
+                    let t = self.make(f32s[k] / 2, &[]); // rounded into bf16; its f32 goes
+                    self.live -= f32s[k];
+                    t
+                }
+            };
         }
+        dh.into_iter().for_each(|t| self.drop_(t));
         made
     }
 
     /// [`crate::kernels::attention`]'s backward up to dqkv (P kept, or none:
     /// recomputed), made (not yet added).
     fn attention_grad(&mut self, qkv: usize, kept: Option<usize>, nh: usize) -> usize {
-        // dP (becoming dS), dq, dk, dv computed in f32 (bf16: the
-        // operands widened first), each product with its panels; then dqkv.
         let (b, t, c3) = dims3(&self.g.nodes[qkv].shape);
-        let elem = self.g.nodes[qkv].elem;
+        if self.g.nodes[qkv].elem == 2 {
+            return self.attention_grad_bf16(qkv, kept.is_some(), nh);
+        }
+        // dP (becoming dS), dq, dk, dv computed in f32, each product with its panels; then dqkv.
         let (c, hs) = (c3 / 3, c3 / 3 / nh);
         let (np4, btc4) = (4 * b * nh * t * t, 4 * b * t * c);
-        // Not kept: P first, as the forward made it (bf16: from q and
-        // k widened, S and P in f32, P rounded into bf16), held to the end.
-        let recomputed = if kept.is_none() { np4 / 4 * elem } else { 0 };
+        // Not kept: P first, as the forward made it (S, then P), held to the end.
+        let recomputed = if kept.is_none() { np4 } else { 0 };
         if kept.is_none() {
-            let wide_qkv = if elem == 2 { 3 * btc4 } else { 0 };
-            let s_then_p = np4 + matmul_transient(t, hs, t, 0, 4).max(np4);
-            // q and k widened while S, then P, are made; then P rounded
-            // into its own buffer, the widened copy gone.
-            self.transient((wide_qkv + s_then_p).max(np4 + recomputed));
+            self.transient(np4 + panels(t, hs, t, 4).max(np4));
             self.live += recomputed;
         }
-        let wide = if elem == 2 { 3 * btc4 + np4 + btc4 } else { 0 };
-        let panels = |m: usize, k: usize, n: usize| matmul_transient(m, k, n, 0, 4);
+        let panels = |m: usize, k: usize, n: usize| panels(m, k, n, 4);
         let stages = [
             np4 + panels(t, hs, t),            // dP = dy·vᵀ
             np4 + btc4 + panels(t, t, hs),     // dq = dS·k
             np4 + 2 * btc4 + panels(t, t, hs), // dk = dSᵀ·q
             3 * btc4 + panels(t, t, hs),       // dv = Pᵀ·dy
         ];
-        let filled = 4 * b * t * c3; // bf16: dqkv in f32, then rounded into the output
-        let (during, at_out) = match elem {
-            2 => (wide + 3 * btc4 + filled, wide + filled),
-            _ => (0, 3 * btc4), // f32: dq, dk, dv live while dqkv, the output, is filled
-        };
-        self.transient(wide + stages.into_iter().max().unwrap_or(0));
-        self.transient(during);
-        self.live += at_out;
+        self.transient(stages.into_iter().max().unwrap_or(0));
+        self.live += 3 * btc4; // dq, dk, dv live while dqkv, the output, is filled
         let out = self.make(self.size(qkv), &[]);
-        self.live -= at_out + recomputed;
+        self.live -= 3 * btc4 + recomputed;
+        out
+    }
+
+    /// The bf16 attention backward, as `kernels::attention` runs it: the
+    /// products read their bf16 operands as they are; dP in f32, dS made
+    /// from it a block of rows at a time (scratch: `SOFTMAX_ROWS` rows, three
+    /// f32 blocks) and kept in bf16; dqkv allocated, then dq, dk and dv
+    /// each made in f32 and rounded into it. Not `kept`: P first, as the
+    /// forward makes it (S in f32, P rounded into bf16 a block at a time), to the end.
+    fn attention_grad_bf16(&mut self, qkv: usize, kept: bool, nh: usize) -> usize {
+        const SOFTMAX_ROWS: usize = 4; // kernels::softmax::ROWS
+        let (b, t, c3) = dims3(&self.g.nodes[qkv].shape);
+        let (c, hs) = (c3 / 3, c3 / 3 / nh);
+        let (np2, np4, btc4, block4) = (2 * b * nh * t * t, 4 * b * nh * t * t, 4 * b * t * c, 4 * SOFTMAX_ROWS * t);
+        let panels = |m: usize, k: usize, n: usize| panels(m, k, n, 2);
+        let recomputed = if kept { 0 } else { np2 };
+        if !kept {
+            self.transient(np4 + panels(t, hs, t).max(2 * block4 + np2)); // S, then P made beside it
+            self.live += recomputed;
+        }
+        self.transient(np4 + panels(t, hs, t).max(3 * block4 + np2)); // dP, then dS made beside it
+        self.live += np2; // dS
+        let out = self.make(self.size(qkv), &[]); // dqkv, filled below
+        self.transient(btc4 + panels(t, t, hs)); // dq = dS·k, then dk = dSᵀ·q, each rounded in
+        self.live -= np2;
+        self.transient(btc4 + panels(t, t, hs)); // dv = Pᵀ·dy
+        self.live -= recomputed;
         out
     }
 

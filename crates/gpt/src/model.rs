@@ -143,9 +143,9 @@ impl Gpt {
     /// `p` are the block's 12 tensors in table order. (B, T, C) → (B, T, C).
     pub fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         assert_eq!(p.len(), PARAMS_PER_BLOCK, "a block has {PARAMS_PER_BLOCK} parameter tensors");
-        let x = (x + self.attention(&p[2..6], &layer_norm(x, &p[0], &p[1])?)?)?;
+        let x = kernels::add(x, &self.attention(&p[2..6], &layer_norm(x, &p[0], &p[1])?)?)?;
         let h = kernels::linear_gelu(&layer_norm(&x, &p[6], &p[7])?, &p[8], &p[9])?; // (B, T, 4C): c_fc, GELU
-        Ok((&x + linear(&h, &p[10], &p[11])?)?)
+        Ok(kernels::add(&x, &linear(&h, &p[10], &p[11])?)?)
     }
 
     // ANCHOR: block_taped
@@ -158,11 +158,11 @@ impl Gpt {
         let (h, ln_1) = tape::layer_norm(x, &p[0], &p[1], LN_EPS)?;
         let (y, attn) = tape::linear_attention(&h, &p[2], &p[3], self.cfg.n_head, self.probs)?; // c_attn, the heads
         let (a, attn_proj) = tape::linear(&y, &p[4], &p[5])?;
-        let x = (x + a)?;
+        let x = kernels::add(x, &a)?;
         let (h, ln_2) = tape::layer_norm(&x, &p[6], &p[7], LN_EPS)?;
         let (h, fc) = tape::linear_gelu(&h, &p[8], &p[9])?; // (B, T, 4C)
         let (m, mlp_proj) = tape::linear(&h, &p[10], &p[11])?;
-        Ok(((&x + m)?, BlockTape { ops: [ln_1, attn, attn_proj, ln_2, fc, mlp_proj] }))
+        Ok((kernels::add(&x, &m)?, BlockTape { ops: [ln_1, attn, attn_proj, ln_2, fc, mlp_proj] }))
     }
     // ANCHOR_END: block_taped
 
@@ -216,15 +216,16 @@ impl BlockTape {
         let [dm, dw_proj, db_proj] = mlp_proj.backward(g)?; // (B, T, 4C)
         let [dh, dw_fc, db_fc] = fc.backward(&dm)?; // through GELU and c_fc: (B, T, C)
         drop(dm);
-        let [dx, dw_ln2, db_ln2] = ln_2.backward(&dh)?;
+        let [from_ln2, dw_ln2, db_ln2] = ln_2.backward(&dh)?;
         drop(dh);
-        let dx = (g + dx)?; // x's other gradient, from ln_2; x = x₀ + a: a's, and one of x₀'s
+        let dx = kernels::add(g, &from_ln2)?; // x's other gradient, from ln_2; x = x₀ + a: a's, and one of x₀'s
+        drop(from_ln2);
         let [dy, dw_aproj, db_aproj] = attn_proj.backward(&dx)?;
         let [dh, dw_attn, db_attn] = attn.backward(&dy)?; // through the heads and c_attn
         drop(dy);
-        let [dx0, dw_ln1, db_ln1] = ln_1.backward(&dh)?;
+        let [from_ln1, dw_ln1, db_ln1] = ln_1.backward(&dh)?;
         drop(dh);
-        let dx0 = (dx + dx0)?; // x₀'s other gradient, from ln_1
+        let dx0 = kernels::add(&dx, &from_ln1)?; // x₀'s other gradient, from ln_1
         let grads =
             vec![dw_ln1, db_ln1, dw_attn, db_attn, dw_aproj, db_aproj, dw_ln2, db_ln2, dw_fc, db_fc, dw_proj, db_proj];
         Ok((dx0, grads))
@@ -257,6 +258,11 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// Runs `f` on the `f32` values of a tensor without copying them out.
 pub fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    with_values(t, f)
+}
+
+/// Runs `f` on the values of a tensor of dtype `D` without copying them out.
+fn with_values<D: candle_core::WithDType, R>(t: &Tensor, f: impl FnOnce(&[D]) -> R) -> Result<R> {
     let t = t.contiguous()?; // no copy when it already is
     let (storage, layout) = t.storage_and_layout();
     let cpu = match &*storage {
@@ -264,7 +270,7 @@ pub fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> 
         #[allow(unreachable_patterns)]
         _ => return Err(GptError::Candle(candle_core::Error::Msg("tensor is not on the CPU".into()))),
     };
-    let all = cpu.as_slice::<f32>()?;
+    let all = cpu.as_slice::<D>()?;
     let start = layout.start_offset();
     Ok(f(&all[start..start + t.elem_count()]))
 }
@@ -298,10 +304,16 @@ pub fn add_each<'g>(vars: &[Var], acc: &mut [f32], grad: impl Fn(usize, &Var) ->
     Ok(())
 }
 
-/// `acc += t`, element by element, `t` widened to fp32 (a no-op for fp32).
+/// `acc += t`, element by element, `t` widened to fp32 as it is read (a
+/// no-op for fp32; no widened copy of a bf16 `t`), at the SIMD width.
 pub fn add_into(acc: &mut [f32], t: &Tensor) -> Result<()> {
-    let t = t.to_dtype(DType::F32)?;
-    with_f32_values(&t, |t| acc.iter_mut().zip(t).for_each(|(a, x)| *a += x))
+    match t.dtype() {
+        DType::F32 => with_values(t, |t: &[f32]| kernels::zip_update(acc, t, |a, x| *a += x)),
+        DType::BF16 => {
+            with_values(t, |t: &[half::bf16]| kernels::zip_update(acc, t, |a, x| *a += crate::precision::from_bf16(x)))
+        }
+        _ => with_values(&t.to_dtype(DType::F32)?, |t: &[f32]| kernels::zip_update(acc, t, |a, x| *a += x)),
+    }
 }
 
 #[cfg(test)]

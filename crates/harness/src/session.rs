@@ -484,10 +484,9 @@ impl<'w> Session<'w> {
 
     /// What adding a micro-batch's gradients onto the sums holds besides
     /// them, after [`Session::forward_backward`]: every parameter's gradient
-    /// and, under bf16, one tensor's gradient widened to fp32 at a time.
+    /// (a bf16 one widened as it is added, no copy).
     pub fn gradient_add_tally(&self, m: &mut Moment, elem: usize) {
         m.add("the micro-batch's gradients", self.table.numel(), elem, "every parameter's, block by block");
-        widen_row(m, elem, self.table.specs.iter().map(|s| s.numel()).max().unwrap_or(0));
     }
 
     /// The token ids the run holds, kept: the corpus and the sampler's copy.
@@ -761,14 +760,6 @@ fn backward_rows(m: &mut Moment, f: &Footprint) {
             1,
             "activations' gradients in flight, the ops' scratch",
         );
-}
-
-/// Under bf16, `add_grads` widens each gradient to fp32 before adding it:
-/// one tensor's worth (the largest, `numel`) at a time.
-pub fn widen_row(m: &mut Moment, elem: usize, numel: usize) {
-    if elem != 4 {
-        m.add("a gradient widened to fp32", numel, 4, "add_grads, one tensor at a time (the largest)");
-    }
 }
 
 /// The config table's line for the activation policy.

@@ -30,9 +30,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 
-use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, values, widen};
-use super::matmul::Operand;
-use super::softmax::ROWS as SOFTMAX_ROWS;
+use super::common::{Calc, cpu, from_bf16, nonempty, push_rounded, to_bf16, values, zip_update};
+use super::matmul::{Operand, products_bf16};
+use super::softmax::{ROWS as SOFTMAX_ROWS, backward_rows_f32, forward_rows_f32};
 
 /// `softmax(q·kᵀ/√hs + causal mask)·v` for each of `n_head` heads, from
 /// `qkv` (B, T, 3C) (q, k, v side by side, heads side by side in each) to
@@ -121,11 +121,16 @@ impl Dims {
 
 /// (B·nh, T, hs) per head → columns `base + h·hs ..` of a (B, T, `width`) buffer.
 fn merge<T: Copy>(d: Dims, from: &[T], into: &mut [T], width: usize, base: usize) {
+    merge_with(d, from, into, width, base, |v| v)
+}
+
+/// [`merge`], each value passed through `f` on its way (f32 → bf16).
+fn merge_with<A: Copy, B: Copy>(d: Dims, from: &[A], into: &mut [B], width: usize, base: usize, f: impl Fn(A) -> B) {
     for (item, head) in from.chunks_exact(d.t * d.hs).enumerate() {
         let (b, h) = (item / d.nh, item % d.nh);
         for (t, row) in head.chunks_exact(d.hs).enumerate() {
             let at = b * d.t * width + t * width + base + h * d.hs;
-            into[at..at + d.hs].copy_from_slice(row);
+            into[at..at + d.hs].iter_mut().zip(row).for_each(|(o, &v)| *o = f(v));
         }
     }
 }
@@ -143,52 +148,104 @@ fn forward(
     let shape = (d.b, d.nh, d.t, d.t);
     Ok(match s.dtype() {
         DType::F32 => {
-            let (y, p) = forward_as(d, values::<f32>(s, l, "attention")?, with_y, |_| {});
+            let (y, p) = forward_as(d, values::<f32>(s, l, "attention")?, with_y);
             (y.map(CpuStorage::F32), keep_p.then(|| Tensor::from_vec(p, shape, &Device::Cpu)).transpose()?)
         }
         DType::F64 => {
-            let (y, p) = forward_as(d, values::<f64>(s, l, "attention")?, with_y, |_| {});
+            let (y, p) = forward_as(d, values::<f64>(s, l, "attention")?, with_y);
             (y.map(CpuStorage::F64), keep_p.then(|| Tensor::from_vec(p, shape, &Device::Cpu)).transpose()?)
         }
         DType::BF16 => {
-            let (y, p) = forward_as(d, &widen(values::<bf16>(s, l, "attention")?), with_y, round_to_bf16);
-            (
-                y.map(|y| CpuStorage::BF16(narrow(y))),
-                keep_p.then(|| Tensor::from_vec(narrow(p), shape, &Device::Cpu)).transpose()?,
-            )
+            let (y, p) = forward_bf16(d, values::<bf16>(s, l, "attention")?, with_y);
+            (y.map(CpuStorage::BF16), keep_p.then(|| Tensor::from_vec(p, shape, &Device::Cpu)).transpose()?)
         }
         dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
     })
 }
 
-/// The forward in one element type: P = causal_softmax(q·kᵀ / √hs)
-/// (B·nh, T, T), then, `with_y`, y = P·v merged back to (B, T, C). `round`
-/// is applied where the composed ops would round their outputs (bf16).
-fn forward_as<T: Calc>(d: Dims, qkv: &[T], with_y: bool, round: impl Fn(&mut [T])) -> (Option<Vec<T>>, Vec<T>) {
+/// The forward in f32 or f64: P = causal_softmax(q·kᵀ / √hs) (B·nh, T, T),
+/// then, `with_y`, y = P·v merged back to (B, T, C).
+fn forward_as<T: Calc>(d: Dims, qkv: &[T], with_y: bool) -> (Option<Vec<T>>, Vec<T>) {
     let (t, c3) = (d.t, 3 * d.c);
-    let mut s = T::mm(&d.heads(c3, 0, false), qkv, &d.heads(c3, d.c, true), qkv); // q·kᵀ
-    round(&mut s);
+    let s = T::mm(&d.heads(c3, 0, false), qkv, &d.heads(c3, d.c, true), qkv); // q·kᵀ
     let scale = 1.0 / (d.hs as f64).sqrt();
     let mut p = vec![T::default(); s.len()];
     T::softmax_rows(&s, &mut p, t, 0, scale);
     drop(s);
-    round(&mut p);
     if !with_y {
         return (None, p);
     }
-    let mut yh = T::mm(&d.squares(false), &p, &d.heads(c3, 2 * d.c, false), qkv); // P·v
-    round(&mut yh);
+    let yh = T::mm(&d.squares(false), &p, &d.heads(c3, 2 * d.c, false), qkv); // P·v
     let mut y = vec![T::default(); d.b * t * d.c];
     merge(d, &yh, &mut y, d.c, 0);
     (Some(y), p)
 }
 
-/// The backward: dqkv (B, T, 3C) from P and dy (B, T, C).
-fn backward<T: Calc>(d: Dims, qkv: &[T], p: &[T], dy: &[T], round: impl Fn(&mut [T])) -> Vec<T> {
+/// The bf16 forward, as [`forward_as`] computes it with bf16's roundings:
+/// the products read q, k, v (and P) as they are, in bf16, widened as the
+/// matmul packs them; S and P are made in f32 `SOFTMAX_ROWS` rows at a time,
+/// S rounded into a scratch block, P rounded into its bf16 buffer.
+fn forward_bf16(d: Dims, qkv: &[bf16], with_y: bool) -> (Option<Vec<bf16>>, Vec<bf16>) {
+    let (t, c3) = (d.t, 3 * d.c);
+    let s = products_bf16(&d.heads(c3, 0, false), qkv, &d.heads(c3, d.c, true), qkv); // q·kᵀ, before rounding
+    let scale = (1.0 / (d.hs as f64).sqrt()) as f32;
+    let block = SOFTMAX_ROWS * t;
+    let (mut rows, mut out) = (vec![0f32; block], vec![0f32; block]);
+    let mut p = Vec::with_capacity(s.len());
+    for (c, s) in s.chunks(block).enumerate() {
+        let (rows, out) = (&mut rows[..s.len()], &mut out[..s.len()]);
+        zip_update(rows, s, |r, v| *r = from_bf16(to_bf16(v))); // S, rounded
+        forward_rows_f32(rows, out, t, c * SOFTMAX_ROWS % t, scale);
+        push_rounded(&mut p, out);
+    }
+    drop((s, rows, out));
+    if !with_y {
+        return (None, p);
+    }
+    let yh = products_bf16(&d.squares(false), &p, &d.heads(c3, 2 * d.c, false), qkv); // P·v
+    let mut y = vec![bf16::ZERO; d.b * t * d.c];
+    merge_with(d, &yh, &mut y, d.c, 0, to_bf16);
+    (Some(y), p)
+}
+
+/// The bf16 backward, as [`backward`] computes it with bf16's roundings: the
+/// products read their bf16 operands as they are; dP is made in f32, dS
+/// `SOFTMAX_ROWS` rows at a time (P widened into a scratch block) and kept in
+/// bf16; dq, dk and dv each rounded into dqkv as they are merged.
+fn backward_bf16(d: Dims, qkv: &[bf16], p: &[bf16], dy: &[bf16]) -> Vec<bf16> {
+    let (t, c3) = (d.t, 3 * d.c);
+    let dyh = d.heads(d.c, 0, false); // dy's heads, read in place
+    let dp = products_bf16(&dyh, dy, &d.heads(c3, 2 * d.c, true), qkv); // dP = dy·vᵀ, before rounding
+    let scale = (1.0 / (d.hs as f64).sqrt()) as f32;
+    let block = SOFTMAX_ROWS * t;
+    let (mut y, mut g, mut dx) = (vec![0f32; block], vec![0f32; block], vec![0f32; block]);
+    let mut ds = Vec::with_capacity(dp.len());
+    for (c, (pb, dpb)) in p.chunks(block).zip(dp.chunks(block)).enumerate() {
+        let n = pb.len();
+        let (y, g, dx) = (&mut y[..n], &mut g[..n], &mut dx[..n]);
+        zip_update(y, pb, |o, v| *o = from_bf16(v));
+        zip_update(g, dpb, |o, v| *o = from_bf16(to_bf16(v))); // dP, rounded
+        backward_rows_f32(y, g, dx, t, c * SOFTMAX_ROWS % t, scale);
+        push_rounded(&mut ds, dx); // dS, rounded
+    }
+    drop((dp, y, g, dx));
+    let mut dqkv = vec![bf16::ZERO; d.b * t * c3];
+    let dq = products_bf16(&d.squares(false), &ds, &d.heads(c3, d.c, false), qkv); // dS·k
+    merge_with(d, &dq, &mut dqkv, c3, 0, to_bf16);
+    drop(dq);
+    let dk = products_bf16(&d.squares(true), &ds, &d.heads(c3, 0, false), qkv); // dSᵀ·q
+    merge_with(d, &dk, &mut dqkv, c3, d.c, to_bf16);
+    drop((dk, ds));
+    let dv = products_bf16(&d.squares(true), p, &dyh, dy); // Pᵀ·dy
+    merge_with(d, &dv, &mut dqkv, c3, 2 * d.c, to_bf16);
+    dqkv
+}
+
+/// The backward in f32 or f64: dqkv (B, T, 3C) from P and dy (B, T, C).
+fn backward<T: Calc>(d: Dims, qkv: &[T], p: &[T], dy: &[T]) -> Vec<T> {
     let (t, c3) = (d.t, 3 * d.c);
     let dyh = d.heads(d.c, 0, false); // dy's heads, read in place
     let mut ds = T::mm(&dyh, dy, &d.heads(c3, 2 * d.c, true), qkv); // dP = dy·vᵀ
-    round(&mut ds);
     let scale = 1.0 / (d.hs as f64).sqrt();
     let block = SOFTMAX_ROWS * t; // the elements of the rows the softmax's backward takes together
     let mut g = vec![T::default(); block];
@@ -197,14 +254,10 @@ fn backward<T: Calc>(d: Dims, qkv: &[T], p: &[T], dy: &[T], round: impl Fn(&mut 
         g.copy_from_slice(dx);
         T::softmax_backward_rows(y, g, dx, t, c * SOFTMAX_ROWS % t, scale); // dS, in place
     }
-    round(&mut ds);
-    let mut dq = T::mm(&d.squares(false), &ds, &d.heads(c3, d.c, false), qkv); // dS·k
-    round(&mut dq);
-    let mut dk = T::mm(&d.squares(true), &ds, &d.heads(c3, 0, false), qkv); // dSᵀ·q
-    round(&mut dk);
+    let dq = T::mm(&d.squares(false), &ds, &d.heads(c3, d.c, false), qkv); // dS·k
+    let dk = T::mm(&d.squares(true), &ds, &d.heads(c3, 0, false), qkv); // dSᵀ·q
     drop(ds);
-    let mut dv = T::mm(&d.squares(true), p, &dyh, dy); // Pᵀ·dy
-    round(&mut dv);
+    let dv = T::mm(&d.squares(true), p, &dyh, dy); // Pᵀ·dy
     let mut dqkv = vec![T::default(); d.b * t * c3];
     for (part, base) in [(&dq, 0), (&dk, d.c), (&dv, 2 * d.c)] {
         merge(d, part, &mut dqkv, c3, base);
@@ -248,7 +301,6 @@ impl CustomOp1 for Attention {
                     values::<f32>(sq, lq, "attention")?,
                     values(sp, lp, "attention")?,
                     values(sg, lg, "attention")?,
-                    |_| {},
                 );
                 Tensor::from_vec(v, shape, &Device::Cpu)?
             }
@@ -258,17 +310,17 @@ impl CustomOp1 for Attention {
                     values::<f64>(sq, lq, "attention")?,
                     values(sp, lp, "attention")?,
                     values(sg, lg, "attention")?,
-                    |_| {},
                 );
                 Tensor::from_vec(v, shape, &Device::Cpu)?
             }
             DType::BF16 => {
-                let (q, p, g) = (
-                    widen(values(sq, lq, "attention")?),
-                    widen(values(sp, lp, "attention")?),
-                    widen(values(sg, lg, "attention")?),
+                let v = backward_bf16(
+                    d,
+                    values(sq, lq, "attention")?,
+                    values(sp, lp, "attention")?,
+                    values(sg, lg, "attention")?,
                 );
-                Tensor::from_vec(narrow(backward(d, &q, &p, &g, round_to_bf16)), shape, &Device::Cpu)?
+                Tensor::from_vec(v, shape, &Device::Cpu)?
             }
             dt => bail!("attention supports f32, bf16 and f64, got {dt:?}"),
         };

@@ -2,6 +2,8 @@
 //! to f32 and rounded back, and their arithmetic in one precision.
 use candle_core::{CpuStorage, Layout, Result, Shape, Storage, bail};
 use half::bf16;
+
+pub(super) use crate::precision::{from_bf16, to_bf16};
 use std::mem::MaybeUninit;
 
 use super::matmul::{Operand, products_f32, products_f64};
@@ -144,41 +146,66 @@ fn prefetch_into<const L1: bool, T>(p: *const T) {
 /// `f` on every element of `x`: SIMD-wide ([`lanes`]).
 #[inline(always)]
 pub(super) fn map_f32(x: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {
-    zip_map_f32(x, x, move |v, _| f(v))
+    map(x, f)
 }
 
 /// `f` on every pair of elements of `x` and `y`: SIMD-wide ([`lanes`]).
 #[inline(always)]
 pub(super) fn zip_map_f32(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Copy) -> Vec<f32> {
-    zip_map_f32_in(lanes(), x, y, f)
+    zip_map(x, y, f)
 }
 
-/// [`zip_map_f32`] compiled for `lanes` lanes: 16 (AVX-512F) and 8 (AVX2)
-/// only where the CPU has them, anything else the baseline's 4.
-#[inline(always)]
+/// [`zip_map_f32`] compiled for `lanes` lanes (the tests hold each to the same bits).
+#[cfg(test)]
 pub(super) fn zip_map_f32_in(lanes: usize, x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Copy) -> Vec<f32> {
+    zip_map_in(lanes, x, y, f)
+}
+
+/// `f` on every element of `x`, of any element types (bf16 widened or
+/// rounded on its way, say): SIMD-wide ([`lanes`]).
+#[inline(always)]
+pub(crate) fn map<A: Copy, B>(x: &[A], f: impl Fn(A) -> B + Copy) -> Vec<B> {
+    zip_map(x, x, move |v, _| f(v))
+}
+
+/// `f` on every pair of elements of `x` and `y`, of any element types: SIMD-wide ([`lanes`]).
+#[inline(always)]
+pub(super) fn zip_map<A: Copy, B: Copy, C>(x: &[A], y: &[B], f: impl Fn(A, B) -> C + Copy) -> Vec<C> {
+    zip_map_in(lanes(), x, y, f)
+}
+
+/// [`zip_map`] compiled for `lanes` lanes: 16 (AVX-512F) and 8 (AVX2)
+/// only where the CPU has them, anything else the baseline's 4. The loop
+/// is a plain `for` in an always-inlined body, so that all of it — `f`
+/// included — is compiled for those lanes (an iterator's `collect` or
+/// `for_each` is a function of its own, which the compiler may leave
+/// uninlined, compiled for the baseline).
+#[inline(always)]
+pub(super) fn zip_map_in<A: Copy, B: Copy, C>(lanes: usize, x: &[A], y: &[B], f: impl Fn(A, B) -> C + Copy) -> Vec<C> {
     #[inline(always)]
-    fn each(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
-        // 64 elements (four cache lines of each input) at a time, asking for the lines 4 KiB
+    fn each<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [MaybeUninit<C>], f: impl Fn(A, B) -> C) {
+        // 64 elements (four cache lines of each f32 input) at a time, asking for the lines 4 KiB
         // ahead first: an input that the graph kept since the forward, or that an op wrote a
         // while ago, comes from L3 or memory, and there the loads waited on it (GELU forward over
         // 32 tensors of 1 MiB cycled: 2.4 ns per element without, 0.67 with, on an Intel Xeon,
         // model 167; over one tensor, warm in the caches: 0.63-0.72 without).
         const CHUNK: usize = 64;
         const AHEAD: usize = 1024;
-        let (n, same) = (out.len(), std::ptr::eq(x, y)); // same: map_f32's one input
+        let (n, same) = (out.len(), std::ptr::eq(x.as_ptr().cast::<u8>(), y.as_ptr().cast::<u8>())); // same: map's one input
         let chunks = out.chunks_mut(CHUNK).zip(x.chunks(CHUNK).zip(y.chunks(CHUNK)));
         for (i, (out, (xs, ys))) in chunks.enumerate() {
             let ahead = i * CHUNK + AHEAD;
             if ahead < n {
-                for line in (0..CHUNK).step_by(per_line::<f32>()) {
+                for line in (0..CHUNK).step_by(per_line::<A>()) {
                     prefetch(x.as_ptr().wrapping_add(ahead + line));
-                    if !same {
-                        prefetch(y.as_ptr().wrapping_add(ahead + line));
-                    }
+                }
+                for line in (0..CHUNK).step_by(per_line::<B>()).filter(|_| !same) {
+                    prefetch(y.as_ptr().wrapping_add(ahead + line));
                 }
             }
-            out.iter_mut().zip(xs.iter().zip(ys)).for_each(|(o, (&a, &b))| _ = o.write(f(a, b)));
+            for (o, (&a, &b)) in out.iter_mut().zip(xs.iter().zip(ys)) {
+                o.write(f(a, b));
+            }
         }
     }
     let len = x.len().min(y.len());
@@ -189,7 +216,7 @@ pub(super) fn zip_map_f32_in(lanes: usize, x: &[f32], y: &[f32], f: impl Fn(f32,
         16 => {
             assert!(std::arch::is_x86_feature_detected!("avx512f"), "16 lanes need AVX-512F");
             #[target_feature(enable = "avx512f")]
-            fn on_avx512(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
+            fn on_avx512<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [MaybeUninit<C>], f: impl Fn(A, B) -> C) {
                 each(x, y, out, f)
             }
             // SAFETY: the CPU has AVX-512F (asserted).
@@ -199,7 +226,7 @@ pub(super) fn zip_map_f32_in(lanes: usize, x: &[f32], y: &[f32], f: impl Fn(f32,
         8 => {
             assert!(avx2(), "8 lanes need AVX2");
             #[target_feature(enable = "avx2")]
-            fn on_avx2(x: &[f32], y: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32, f32) -> f32) {
+            fn on_avx2<A: Copy, B: Copy, C>(x: &[A], y: &[B], out: &mut [MaybeUninit<C>], f: impl Fn(A, B) -> C) {
                 each(x, y, out, f)
             }
             // SAFETY: the CPU has AVX2 (asserted).
@@ -210,6 +237,81 @@ pub(super) fn zip_map_f32_in(lanes: usize, x: &[f32], y: &[f32], f: impl Fn(f32,
     // SAFETY: `each` wrote all `len` elements.
     unsafe { out.set_len(len) };
     out
+}
+
+/// `f(x[i][j], row[j])` for every row `x[i]` of `x` (rows of `row.len()`
+/// elements): a linear layer's bias onto its products, say. SIMD-wide, as
+/// [`zip_map_in`] compiles it.
+#[inline(always)]
+pub(super) fn map_rows<A: Copy, B: Copy, C>(x: &[A], row: &[B], f: impl Fn(A, B) -> C + Copy) -> Vec<C> {
+    #[inline(always)]
+    fn each<A: Copy, B: Copy, C>(x: &[A], row: &[B], out: &mut [MaybeUninit<C>], f: impl Fn(A, B) -> C) {
+        for (out, x) in out.chunks_exact_mut(row.len()).zip(x.chunks_exact(row.len())) {
+            for (o, (&a, &b)) in out.iter_mut().zip(x.iter().zip(row)) {
+                o.write(f(a, b));
+            }
+        }
+    }
+    assert!(!row.is_empty() && x.len().is_multiple_of(row.len()), "whole rows of {}", row.len());
+    let mut out = Vec::with_capacity(x.len()); // not zeroed: every element is written below
+    let dst = &mut out.spare_capacity_mut()[..x.len()];
+    match lanes() {
+        #[cfg(target_arch = "x86_64")]
+        16 => {
+            #[target_feature(enable = "avx512f")]
+            fn on_avx512<A: Copy, B: Copy, C>(x: &[A], row: &[B], out: &mut [MaybeUninit<C>], f: impl Fn(A, B) -> C) {
+                each(x, row, out, f)
+            }
+            // SAFETY: lanes() is 16 only where the matmul's AVX-512 path runs, on a CPU with AVX-512F.
+            unsafe { on_avx512(x, row, dst, f) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        8 => {
+            #[target_feature(enable = "avx2")]
+            fn on_avx2<A: Copy, B: Copy, C>(x: &[A], row: &[B], out: &mut [MaybeUninit<C>], f: impl Fn(A, B) -> C) {
+                each(x, row, out, f)
+            }
+            // SAFETY: lanes() is 8 only on a CPU with AVX2.
+            unsafe { on_avx2(x, row, dst, f) }
+        }
+        _ => each(x, row, dst, f),
+    }
+    // SAFETY: `each` wrote every element.
+    unsafe { out.set_len(x.len()) };
+    out
+}
+
+/// `f(&mut acc[i], x[i])` for every element, SIMD-wide ([`lanes`]) as
+/// [`zip_map_in`] compiles it: `acc += g` with a bf16 `g` widened as it is read, say.
+#[inline(always)]
+pub fn zip_update<A, B: Copy>(acc: &mut [A], x: &[B], f: impl Fn(&mut A, B) + Copy) {
+    #[inline(always)]
+    fn each<A, B: Copy>(acc: &mut [A], x: &[B], f: impl Fn(&mut A, B)) {
+        for (a, &b) in acc.iter_mut().zip(x) {
+            f(a, b);
+        }
+    }
+    match lanes() {
+        #[cfg(target_arch = "x86_64")]
+        16 => {
+            #[target_feature(enable = "avx512f")]
+            fn on_avx512<A, B: Copy>(acc: &mut [A], x: &[B], f: impl Fn(&mut A, B)) {
+                each(acc, x, f)
+            }
+            // SAFETY: lanes() is 16 only where the matmul's AVX-512 path runs, on a CPU with AVX-512F.
+            unsafe { on_avx512(acc, x, f) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        8 => {
+            #[target_feature(enable = "avx2")]
+            fn on_avx2<A, B: Copy>(acc: &mut [A], x: &[B], f: impl Fn(&mut A, B)) {
+                each(acc, x, f)
+            }
+            // SAFETY: lanes() is 8 only on a CPU with AVX2.
+            unsafe { on_avx2(acc, x, f) }
+        }
+        _ => each(acc, x, f),
+    }
 }
 
 /// The values of a contiguous operand, from its start offset.
@@ -240,20 +342,25 @@ pub(super) fn tensor_from(s: CpuStorage, shape: Shape) -> Result<candle_core::Te
     }
 }
 
-/// bf16 → f32, exactly.
+/// Appends `x`, each value rounded to bf16 ([`to_bf16`]), to `out`, at the
+/// SIMD width: a block of an op's f32 results onto its bf16 output.
+#[inline(always)]
+pub(super) fn push_rounded(out: &mut Vec<bf16>, x: &[f32]) {
+    out.reserve(x.len());
+    let at = out.len();
+    zip_update(&mut out.spare_capacity_mut()[..x.len()], x, |o, v| _ = o.write(to_bf16(v)));
+    // SAFETY: the elements at..at + x.len() were all written above.
+    unsafe { out.set_len(at + x.len()) };
+}
+
+/// bf16 → f32, exactly ([`from_bf16`]), at the SIMD width ([`map`]).
 pub(super) fn widen(x: &[bf16]) -> Vec<f32> {
-    x.iter().map(|v| v.to_f32()).collect()
+    map(x, from_bf16)
 }
 
-/// f32 → bf16, rounded to nearest-even.
+/// f32 → bf16, rounded to nearest-even ([`to_bf16`]), at the SIMD width.
 pub(super) fn narrow(x: Vec<f32>) -> Vec<bf16> {
-    x.into_iter().map(bf16::from_f32).collect()
-}
-
-/// Round f32 values to bf16's precision in place: where a bf16 op composed
-/// of candle ops would round its output.
-pub(super) fn round_to_bf16(v: &mut [f32]) {
-    v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+    map(&x, to_bf16)
 }
 
 /// The sum of the `n`-long rows of `g`, each widened, added in row order:

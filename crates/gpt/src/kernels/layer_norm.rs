@@ -21,7 +21,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 
-use super::common::{avx2, cpu, nonempty, values};
+use super::common::{avx2, cpu, from_bf16, narrow, nonempty, to_bf16, values, widen};
 
 /// `(x − mean) / √(var + eps) · w + b` over the last dimension of `x`
 /// (…, C), with `w` and `b` of shape (C). Differentiable in all three.
@@ -346,6 +346,111 @@ fn backward_f32(x: &[f32], w: &[f32], g: &[f32], c: usize, eps: f32) -> (Vec<f32
     (dx, dw, db)
 }
 
+/// The bf16 forward, as [`forward_f32`] computes it: `ROWS` rows at a time
+/// widened into a scratch block (in L1) and normalized by the same rows,
+/// each output `x̂ · w + b` rounded once (a row left over, by [`row_f32`]).
+fn forward_bf16(x: &[bf16], w: &[f32], b: &[f32], c: usize, eps: f32) -> Vec<bf16> {
+    #[inline(always)]
+    fn each<const AVX2: bool>(x: &[bf16], w: &[f32], b: &[f32], c: usize, eps: f32, y: &mut [bf16]) {
+        let (mut wide, mut h) = (vec![0f32; ROWS * c], vec![0f32; ROWS * c]);
+        for (x, y) in x.chunks(ROWS * c).zip(y.chunks_mut(ROWS * c)) {
+            let (wide, h) = (&mut wide[..x.len()], &mut h[..x.len()]);
+            for (o, &v) in wide.iter_mut().zip(x) {
+                *o = from_bf16(v);
+            }
+            match x.len() == ROWS * c {
+                true => _ = rows(AVX2, wide, h, c, eps),
+                false => wide.chunks_exact(c).zip(h.chunks_exact_mut(c)).for_each(|(x, h)| _ = row_f32(x, h, eps)),
+            }
+            for (y, h) in y.chunks_exact_mut(c).zip(h.chunks_exact(c)) {
+                for (((y, &h), &w), &b) in y.iter_mut().zip(h).zip(w).zip(b) {
+                    *y = to_bf16(h * w + b);
+                }
+            }
+        }
+    }
+    let mut y = vec![bf16::ZERO; x.len()];
+    match avx2() {
+        #[cfg(target_arch = "x86_64")]
+        true => {
+            #[target_feature(enable = "avx2")]
+            fn on_avx2(x: &[bf16], w: &[f32], b: &[f32], c: usize, eps: f32, y: &mut [bf16]) {
+                each::<true>(x, w, b, c, eps, y)
+            }
+            // SAFETY: the CPU has AVX2 (detected).
+            unsafe { on_avx2(x, w, b, c, eps, &mut y) }
+        }
+        _ => each::<false>(x, w, b, c, eps, &mut y),
+    }
+    y
+}
+
+/// The bf16 backward, as [`backward_f32`] computes it: `ROWS` rows of x and
+/// g at a time widened into scratch blocks, dx rounded once per element;
+/// `dw` and `db` summed in f32 over the rows in order (rounded by the caller).
+fn backward_bf16(x: &[bf16], w: &[f32], g: &[bf16], c: usize, eps: f32) -> (Vec<bf16>, Vec<f32>, Vec<f32>) {
+    #[inline(always)]
+    fn each<const AVX2: bool>(
+        x: &[bf16],
+        w: &[f32],
+        g: &[bf16],
+        c: usize,
+        eps: f32,
+        out: (&mut [bf16], &mut [f32], &mut [f32]),
+    ) {
+        let (dx, dw, db) = out;
+        let (mut wx, mut wg) = (vec![0f32; ROWS * c], vec![0f32; ROWS * c]);
+        let (mut h, mut d) = (vec![0f32; ROWS * c], vec![0f32; ROWS * c]);
+        for ((x, g), dx) in x.chunks(ROWS * c).zip(g.chunks(ROWS * c)).zip(dx.chunks_mut(ROWS * c)) {
+            let n = x.len();
+            let (wx, wg, h, d) = (&mut wx[..n], &mut wg[..n], &mut h[..n], &mut d[..n]);
+            for ((o, &v), (p, &u)) in wx.iter_mut().zip(x).zip(wg.iter_mut().zip(g)) {
+                (*o, *p) = (from_bf16(v), from_bf16(u));
+            }
+            if n == ROWS * c {
+                let rstd = rows(AVX2, wx, h, c, eps);
+                let (gs, hs): ([&[f32]; ROWS], [&[f32]; ROWS]) =
+                    (std::array::from_fn(|r| &wg[r * c..][..c]), std::array::from_fn(|r| &h[r * c..][..c]));
+                let (sum_g, sum_gx) = sums(AVX2, &gs, &hs, w);
+                for (r, d) in d.chunks_exact_mut(c).enumerate() {
+                    finish_row_f32(hs[r], rstd[r], gs[r], w, (sum_g[r], sum_gx[r]), d, dw, db);
+                }
+            } else {
+                for ((x, g), (h, d)) in
+                    wx.chunks_exact(c).zip(wg.chunks_exact(c)).zip(h.chunks_exact_mut(c).zip(d.chunks_exact_mut(c)))
+                {
+                    let rstd = row_f32(x, h, eps);
+                    row_backward_f32(h, rstd, g, w, d, dw, db);
+                }
+            }
+            for (o, &v) in dx.iter_mut().zip(d.iter()) {
+                *o = to_bf16(v);
+            }
+        }
+    }
+    let (mut dx, mut dw, mut db) = (vec![bf16::ZERO; x.len()], vec![0f32; c], vec![0f32; c]);
+    match avx2() {
+        #[cfg(target_arch = "x86_64")]
+        true => {
+            #[target_feature(enable = "avx2")]
+            fn on_avx2(
+                x: &[bf16],
+                w: &[f32],
+                g: &[bf16],
+                c: usize,
+                eps: f32,
+                out: (&mut [bf16], &mut [f32], &mut [f32]),
+            ) {
+                each::<true>(x, w, g, c, eps, out)
+            }
+            // SAFETY: the CPU has AVX2 (detected).
+            unsafe { on_avx2(x, w, g, c, eps, (&mut dx, &mut dw, &mut db)) }
+        }
+        _ => each::<false>(x, w, g, c, eps, (&mut dx, &mut dw, &mut db)),
+    }
+    (dx, dw, db)
+}
+
 /// The backward's two sums of `ROWS` rows: [`backward_sums_avx2`] where
 /// `avx2`, else the same chains one value at a time.
 #[inline(always)]
@@ -415,18 +520,7 @@ impl CustomOp3 for LayerNorm {
                     values::<bf16>(s2, l2, "layer_norm")?,
                     values::<bf16>(s3, l3, "layer_norm")?,
                 );
-                let (w, b): (Vec<f32>, Vec<f32>) =
-                    (w.iter().map(|v| v.to_f32()).collect(), b.iter().map(|v| v.to_f32()).collect());
-                let (mut wide, mut h) = (vec![0f32; c], vec![0f32; c]); // one row at a time
-                let mut y = vec![bf16::ZERO; x.len()];
-                for (x, y) in x.chunks_exact(c).zip(y.chunks_exact_mut(c)) {
-                    wide.iter_mut().zip(x).for_each(|(o, v)| *o = v.to_f32());
-                    row_f32(&wide, &mut h, self.eps as f32);
-                    for (((y, &h), &w), &b) in y.iter_mut().zip(&h).zip(&w).zip(&b) {
-                        *y = bf16::from_f32(h * w + b);
-                    }
-                }
-                CpuStorage::BF16(y)
+                CpuStorage::BF16(forward_bf16(x, &widen(w), &widen(b), c, self.eps as f32))
             }
             d => bail!("layer_norm supports f32, bf16 and f64, got {d:?}"),
         };
@@ -481,22 +575,11 @@ impl CustomOp3 for LayerNorm {
                     values::<bf16>(sw, lw, "layer_norm")?,
                     values::<bf16>(sg, lg, "layer_norm")?,
                 );
-                let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-                let (mut wx, mut wg, mut h, mut d) = (vec![0f32; c], vec![0f32; c], vec![0f32; c], vec![0f32; c]);
-                let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
-                let mut dx = vec![bf16::ZERO; x.len()];
-                for ((x, g), dx) in x.chunks_exact(c).zip(g.chunks_exact(c)).zip(dx.chunks_exact_mut(c)) {
-                    wx.iter_mut().zip(x).for_each(|(o, v)| *o = v.to_f32());
-                    wg.iter_mut().zip(g).for_each(|(o, v)| *o = v.to_f32());
-                    let rstd = row_f32(&wx, &mut h, self.eps as f32);
-                    row_backward_f32(&h, rstd, &wg, &w, &mut d, &mut dw, &mut db);
-                    dx.iter_mut().zip(&d).for_each(|(o, &v)| *o = bf16::from_f32(v));
-                }
-                let round = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+                let (dx, dw, db) = backward_bf16(x, &widen(w), g, c, self.eps as f32);
                 (
                     Tensor::from_vec(dx, lx.shape().clone(), dev)?,
-                    Tensor::from_vec(round(dw), c, dev)?,
-                    Tensor::from_vec(round(db), c, dev)?,
+                    Tensor::from_vec(narrow(dw), c, dev)?,
+                    Tensor::from_vec(narrow(db), c, dev)?,
                 )
             }
             d => bail!("layer_norm supports f32, bf16 and f64, got {d:?}"),

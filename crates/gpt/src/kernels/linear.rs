@@ -28,11 +28,12 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, bail};
+use half::bf16;
 
 use super::Probs;
 use super::attention::Attention;
-use super::common::{Calc, cpu, narrow, nonempty, round_to_bf16, row_sum, tensor_from, values, widen};
-use super::matmul::Operand;
+use super::common::{Calc, cpu, from_bf16, map_rows, narrow, nonempty, row_sum, tensor_from, to_bf16, values, widen};
+use super::matmul::{Operand, products_bf16};
 use super::pointwise::Gelu;
 
 /// `x · wᵀ + b` for `x` (…, in), `w` (out, in) (torch's layout), `b` (out).
@@ -112,37 +113,46 @@ fn matrix(offset: usize, rows: usize, cols: usize, transposed: bool) -> Operand 
     }
 }
 
-/// y (rows, out) = round(x·wᵀ) + b, rounded.
-fn forward<T: Calc>(
-    x: &[T],
-    w: &[T],
-    b: &[T],
-    (rows, n_in, n_out): (usize, usize, usize),
-    round: impl Fn(&mut [T]),
-) -> Vec<T> {
+/// y (rows, out) = x·wᵀ + b, in f32 or f64.
+fn forward<T: Calc>(x: &[T], w: &[T], b: &[T], (rows, n_in, n_out): (usize, usize, usize)) -> Vec<T> {
     let mut y = T::mm(&matrix(0, rows, n_in, false), x, &matrix(0, n_out, n_in, true), w);
-    round(&mut y);
     for row in y.chunks_exact_mut(n_out) {
         row.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
     }
-    round(&mut y);
     y
 }
 
-/// (dx, dw, db), each rounded as the composed ops round theirs.
+/// (dx, dw, db) in f32 or f64.
 fn backward<T: Calc>(
     x: &[T],
     w: &[T],
     g: &[T],
     (rows, n_in, n_out): (usize, usize, usize),
-    round: impl Fn(&mut [T]),
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let mut dx = T::mm(&matrix(0, rows, n_out, false), g, &matrix(0, n_out, n_in, false), w); // g·w
-    round(&mut dx);
-    let mut dw = T::mm(&matrix(0, rows, n_out, true), g, &matrix(0, rows, n_in, false), x); // gᵀ·x
-    round(&mut dw);
-    let mut db = row_sum(g, n_out, |g| g);
-    round(&mut db);
+    let dx = T::mm(&matrix(0, rows, n_out, false), g, &matrix(0, n_out, n_in, false), w); // g·w
+    let dw = T::mm(&matrix(0, rows, n_out, true), g, &matrix(0, rows, n_in, false), x); // gᵀ·x
+    (dx, dw, row_sum(g, n_out, |g| g))
+}
+
+/// The bf16 forward: `round(round(x·wᵀ) + b)` ([`forward`]'s roundings),
+/// the products' chains read from the bf16 operands themselves (widened as
+/// the matmul packs them) and each output element rounded in one pass.
+fn forward_bf16(x: &[bf16], w: &[bf16], b: &[bf16], (rows, n_in, n_out): (usize, usize, usize)) -> Vec<bf16> {
+    let y = products_bf16(&matrix(0, rows, n_in, false), x, &matrix(0, n_out, n_in, true), w);
+    map_rows(&y, &widen(b), |y, b| to_bf16(from_bf16(to_bf16(y)) + b))
+}
+
+/// The bf16 backward (`dx = g·w`, `dw = gᵀ·x`, `db = Σ_rows g`, each rounded
+/// once), read from the bf16 tensors themselves, one gradient at a time.
+fn backward_bf16(
+    x: &[bf16],
+    w: &[bf16],
+    g: &[bf16],
+    (rows, n_in, n_out): (usize, usize, usize),
+) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
+    let dx = narrow(products_bf16(&matrix(0, rows, n_out, false), g, &matrix(0, n_out, n_in, false), w)); // g·w
+    let dw = narrow(products_bf16(&matrix(0, rows, n_out, true), g, &matrix(0, rows, n_in, false), x)); // gᵀ·x
+    let db = narrow(row_sum(g, n_out, from_bf16));
     (dx, dw, db)
 }
 
@@ -192,23 +202,19 @@ impl CustomOp3 for Linear {
                 values(s2, l2, "linear")?,
                 values(s3, l3, "linear")?,
                 d,
-                |_| {},
             )),
             (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(forward(
                 values(s1, l1, "linear")?,
                 values(s2, l2, "linear")?,
                 values(s3, l3, "linear")?,
                 d,
-                |_| {},
             )),
-            (CpuStorage::BF16(_), CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
-                let (x, w, b) = (
-                    widen(values(s1, l1, "linear")?),
-                    widen(values(s2, l2, "linear")?),
-                    widen(values(s3, l3, "linear")?),
-                );
-                CpuStorage::BF16(narrow(forward(&x, &w, &b, d, round_to_bf16)))
-            }
+            (CpuStorage::BF16(_), CpuStorage::BF16(_), CpuStorage::BF16(_)) => CpuStorage::BF16(forward_bf16(
+                values(s1, l1, "linear")?,
+                values(s2, l2, "linear")?,
+                values(s3, l3, "linear")?,
+                d,
+            )),
             _ => bail!(
                 "linear: operands of one dtype, f32, bf16 or f64, got {:?}, {:?}, {:?}",
                 s1.dtype(),
@@ -235,10 +241,7 @@ impl CustomOp3 for Linear {
 }
 
 /// The layer's (dx, dw, db) for `grad`, which it takes: a gradient nothing
-/// else holds (a [`LinearThen`]'s dh) is freed once read — under bf16 as
-/// soon as it is widened, so that the layer's backward holds no more than
-/// when candle hands it the sum (candle still holds the gradient of the op
-/// after the layer then).
+/// else holds (a [`LinearThen`]'s dh) is freed once the three are made.
 fn grads(x: &Tensor, w: &Tensor, b: &Tensor, grad: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let d = dims(x.dims(), w.dims(), b.dims())?;
     let (x, w) = (x.contiguous()?, w.contiguous()?);
@@ -254,14 +257,10 @@ fn grads(x: &Tensor, w: &Tensor, b: &Tensor, grad: Tensor) -> Result<(Tensor, Te
     let (sx, sw) = (cpu(&sx, "linear")?, cpu(&sw, "linear")?);
     let shape = lx.shape().clone();
     if x.dtype() == DType::BF16 {
-        let g = {
-            let (sg, lg) = grad.storage_and_layout();
-            widen(values(cpu(&sg, "linear")?, lg, "linear")?)
-        };
-        drop(grad);
-        let (x, w) = (widen(values(sx, lx, "linear")?), widen(values(sw, lw, "linear")?));
-        let (dx, dw, db) = backward(&x, &w, &g, d, round_to_bf16);
-        return tensors((narrow(dx), narrow(dw), narrow(db)), shape, d);
+        let (sg, lg) = grad.storage_and_layout();
+        let g = values(cpu(&sg, "linear")?, lg, "linear")?;
+        let grads = backward_bf16(values(sx, lx, "linear")?, values(sw, lw, "linear")?, g, d);
+        return tensors(grads, shape, d);
     }
     let (sg, lg) = grad.storage_and_layout();
     let sg = cpu(&sg, "linear")?;
@@ -269,13 +268,7 @@ fn grads(x: &Tensor, w: &Tensor, b: &Tensor, grad: Tensor) -> Result<(Tensor, Te
     macro_rules! in_own {
         ($t:ty) => {
             tensors(
-                backward::<$t>(
-                    values(sx, lx, "linear")?,
-                    values(sw, lw, "linear")?,
-                    values(sg, lg, "linear")?,
-                    d,
-                    |_| {},
-                ),
+                backward::<$t>(values(sx, lx, "linear")?, values(sw, lw, "linear")?, values(sg, lg, "linear")?, d),
                 shape,
                 d,
             )

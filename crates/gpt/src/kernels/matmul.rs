@@ -47,7 +47,10 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 use std::mem::MaybeUninit;
 
-use super::common::{per_line, prefetch, prefetch_l2};
+use super::common::{narrow, per_line, prefetch, prefetch_l2};
+
+mod bf16_dot;
+pub use bf16_dot::{Bf16Dot, self_test as bf16_self_test};
 
 /// Rows of `a` per register tile.
 const MR: usize = 6;
@@ -153,7 +156,7 @@ impl Isa {
 pub fn check_env() -> std::result::Result<(), String> {
     Isa::asked()?;
     Blocks::asked()?;
-    Ok(())
+    bf16_dot::check_env()
 }
 
 /// A measuring knob set wrong where no lesson checked it first (a benchmark,
@@ -392,6 +395,13 @@ pub(super) fn products_f32(a: &Operand, x: &[f32], b: &Operand, y: &[f32]) -> Ve
     products(a, x, b, y, |v| v, Path::Fastest)
 }
 
+/// Every batch item's `a @ b` of bf16 operands, read as they are: the chains
+/// before rounding, in f32, in the one bf16 order ([`bf16_dot`]: VDPBF16PS where
+/// the CPU has it, else emulated), the same bits on every path.
+pub(super) fn products_bf16(a: &Operand, x: &[bf16], b: &Operand, y: &[bf16]) -> Vec<f32> {
+    bf16_dot::products_bf16(a, x, b, y, Path::Fastest)
+}
+
 impl Operand {
     fn new(l: &Layout) -> Result<Self> {
         let (dims, strides) = (l.dims(), l.stride());
@@ -432,8 +442,7 @@ impl CustomOp2 for MatMul {
         let storage = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(y)) => CpuStorage::F32(products(&a, x, &b, y, |v| v, self.path)),
             (CpuStorage::BF16(x), CpuStorage::BF16(y)) => {
-                let out = products(&a, x, &b, y, bf16::to_f32, self.path);
-                CpuStorage::BF16(out.into_iter().map(bf16::from_f32).collect())
+                CpuStorage::BF16(narrow(bf16_dot::products_bf16(&a, x, &b, y, self.path)))
             }
             (CpuStorage::F64(x), CpuStorage::F64(y)) => CpuStorage::F64(products_f64(&a, x, &b, y)),
             _ => bail!(
@@ -931,10 +940,14 @@ fn pack_each<T: Copy, const W: usize>(
                 let mut dst = panels[g0 * W * kb + kk * W..].chunks_mut(W * kb);
                 for (s, d) in src.zip(&mut dst) {
                     let d: &mut [MaybeUninit<f32>; W] = (&mut d[..W]).try_into().unwrap();
-                    (0..W).for_each(|w| _ = d[w].write(widen(s[w]))); // fixed length: no memcpy call
+                    for w in 0..W {
+                        d[w].write(widen(s[w])); // fixed length: no memcpy call
+                    }
                 }
                 if let Some(d) = dst.next().filter(|_| !edge.is_empty()) {
-                    (0..W).for_each(|w| _ = d[w].write(edge.get(w).map_or(0.0, |&s| widen(s))));
+                    for (w, d) in d[..W].iter_mut().enumerate() {
+                        d.write(edge.get(w).map_or(0.0, |&s| widen(s)));
+                    }
                 }
             }
         }
@@ -945,7 +958,9 @@ fn pack_each<T: Copy, const W: usize>(
             if p < full {
                 let lines: [&[T]; W] = std::array::from_fn(|w| &x[base + w * v.stride..][..kb]);
                 for (kk, dst) in panel.chunks_exact_mut(W).enumerate() {
-                    (0..W).for_each(|w| _ = dst[w].write(widen(lines[w][kk])));
+                    for w in 0..W {
+                        dst[w].write(widen(lines[w][kk]));
+                    }
                 }
             } else {
                 let lines = v.len - p * W;

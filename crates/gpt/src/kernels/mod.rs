@@ -15,6 +15,7 @@
 //! | [`linear`] | `x · wᵀ + b`, one op | [`matmul`]'s chains, [`bias_add`]'s row sums: their bits |
 //! | [`linear_gelu`], [`linear_attention`] | a linear layer and the GELU or the attention after it, one op (the model's `c_fc` and `c_attn`): the layer's output gradient (dh) goes straight to the layer's backward, not through candle's zeroed sum | the two ops': their bits |
 //! | [`bias_add`] | a linear layer's `x + b`; its backward sums the gradient over the rows | `db` over the rows in order |
+//! | [`add`] | `a + b`, the residual adds (bf16 rounded once, the same bits on every CPU, where candle's bf16 add flushes denormal sums on a CPU with AVX512_BF16) | element-wise |
 //! | [`gelu`] | erf GELU, its backward in one pass | element-wise; its own `erf` and `exp` in plain f32 operations |
 //! | [`attention`] | causal self-attention from `c_attn`'s output to the merged heads, one op; its probabilities kept for the backward or recomputed there ([`attention_with`], [`Probs`]) | [`matmul`]'s chains and [`causal_softmax`]'s rows, rounded where they round: their bits |
 //! | [`tape`] | the fused ops above run outside candle's graph, each kept with what its backward needs: a block's backward the project runs itself, each gradient handed straight on | theirs: the same bits as through candle's GradStore |
@@ -30,9 +31,10 @@ mod softmax;
 pub mod tape;
 
 pub use attention::{Probs, attention, attention_with};
-pub use common::elementwise;
+pub(crate) use common::map;
+pub use common::{elementwise, zip_update};
 pub use layer_norm::layer_norm;
 pub use linear::{linear, linear_attention, linear_gelu};
-pub use matmul::{Blocks, Isa, check_env as check_matmul_env, matmul, matmul_on};
-pub use pointwise::{bias_add, gelu};
+pub use matmul::{Bf16Dot, Blocks, Isa, bf16_self_test, check_env as check_matmul_env, matmul, matmul_on};
+pub use pointwise::{add, bias_add, gelu};
 pub use softmax::causal_softmax;

@@ -22,7 +22,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 
-use super::common::{cpu, map_f32, narrow, nonempty, row_sum, values, zip_map_f32};
+use super::common::{cpu, from_bf16, map, map_f32, narrow, nonempty, row_sum, to_bf16, values, zip_map, zip_map_f32};
 
 /// `x + b` with `b` (N) added to every row of `x` (…, N). Differentiable.
 pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -45,15 +45,10 @@ macro_rules! map {
         match $s.dtype() {
             DType::F32 => CpuStorage::F32(map_f32(values::<f32>($s, $l, $op)?, |$v| $f32)),
             DType::F64 => CpuStorage::F64(values::<f64>($s, $l, $op)?.iter().map(|&$v| $f64).collect()),
-            DType::BF16 => CpuStorage::BF16(
-                values::<bf16>($s, $l, $op)?
-                    .iter()
-                    .map(|&w| {
-                        let $v = w.to_f32();
-                        bf16::from_f32($f32)
-                    })
-                    .collect(),
-            ),
+            DType::BF16 => CpuStorage::BF16(map(values::<bf16>($s, $l, $op)?, |w| {
+                let $v = from_bf16(w);
+                to_bf16($f32)
+            })),
             d => bail!("{} supports f32, bf16 and f64, got {d:?}", $op),
         }
     }};
@@ -150,13 +145,58 @@ impl CustomOp2 for GeluBackward {
             }
             (CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
                 let (x, g) = (values::<bf16>(s1, l1, op)?, values::<bf16>(s2, l2, op)?);
-                CpuStorage::BF16(
-                    x.iter().zip(g).map(|(&x, &g)| bf16::from_f32(g.to_f32() * dgelu_f32(x.to_f32()))).collect(),
-                )
+                CpuStorage::BF16(zip_map(x, g, |x, g| to_bf16(from_bf16(g) * dgelu_f32(from_bf16(x)))))
             }
             _ => bail!("gelu backward: unsupported dtypes {:?}, {:?}", s1.dtype(), s2.dtype()),
         };
         Ok((out, l1.shape().clone()))
+    }
+}
+
+/// `a + b` of one shape as one op, differentiable: f32 and f64 added in
+/// their precision, bf16 widened, added in f32 and rounded once ([`to_bf16`]),
+/// which are the bits of candle's add on a CPU without AVX512_BF16, and of
+/// every CPU here: where the CPU has AVX512_BF16, candle's bf16 add rounds
+/// with VCVTNEPS2BF16, which flushes a denormal result to zero. It also
+/// runs at the SIMD width, where candle's widens and rounds eight values
+/// at a time through out-of-line calls. The model's residual adds, and a
+/// block tape's two sums of gradients.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.apply_op2(b, Add)
+}
+
+pub(super) struct Add;
+
+impl CustomOp2 for Add {
+    fn name(&self) -> &'static str {
+        "add"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        if l1.dims() != l2.dims() {
+            bail!("add: shapes {:?} and {:?} differ", l1.dims(), l2.dims());
+        }
+        let op = "add";
+        let out = match (s1, s2) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
+                CpuStorage::F32(zip_map_f32(values(s1, l1, op)?, values(s2, l2, op)?, |a, b| a + b))
+            }
+            (CpuStorage::F64(_), CpuStorage::F64(_)) => {
+                let (a, b) = (values::<f64>(s1, l1, op)?, values::<f64>(s2, l2, op)?);
+                CpuStorage::F64(a.iter().zip(b).map(|(&a, &b)| a + b).collect())
+            }
+            (CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
+                let (a, b) = (values::<bf16>(s1, l1, op)?, values::<bf16>(s2, l2, op)?);
+                CpuStorage::BF16(zip_map(a, b, |a, b| to_bf16(from_bf16(a) + from_bf16(b))))
+            }
+            _ => bail!("add: unsupported dtypes {:?}, {:?}", s1.dtype(), s2.dtype()),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    /// An add's gradient is the gradient itself, for both operands.
+    fn bwd(&self, _a: &Tensor, _b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.clone()), Some(grad.clone())))
     }
 }
 
@@ -187,7 +227,7 @@ impl CustomOp2 for BiasAdd {
             (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(rows!(f64, |x: f64, b: f64| x + b)),
             // bf16 + bf16, rounded once: what candle's bf16 add computes
             (CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
-                CpuStorage::BF16(rows!(bf16, |x: bf16, b: bf16| bf16::from_f32(x.to_f32() + b.to_f32())))
+                CpuStorage::BF16(rows!(bf16, |x: bf16, b: bf16| to_bf16(from_bf16(x) + from_bf16(b))))
             }
             _ => bail!("bias_add: unsupported dtypes {:?}, {:?}", s1.dtype(), s2.dtype()),
         };
@@ -204,9 +244,7 @@ impl CustomOp2 for BiasAdd {
         let db = match g.dtype() {
             DType::F32 => Tensor::from_vec(row_sum(values::<f32>(s, l, op)?, n, |g| g), n, g.device())?,
             DType::F64 => Tensor::from_vec(row_sum(values::<f64>(s, l, op)?, n, |g| g), n, g.device())?,
-            DType::BF16 => {
-                Tensor::from_vec(narrow(row_sum(values::<bf16>(s, l, op)?, n, |g| g.to_f32())), n, g.device())?
-            }
+            DType::BF16 => Tensor::from_vec(narrow(row_sum(values::<bf16>(s, l, op)?, n, from_bf16)), n, g.device())?,
             d => bail!("bias_add supports f32, bf16 and f64, got {d:?}"),
         };
         drop(storage);

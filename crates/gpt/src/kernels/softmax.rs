@@ -24,7 +24,8 @@
 //! and rounded once; f32 and f64 compute in their own precision.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, bail};
-use half::bf16;
+
+use super::common::{from_bf16, push_rounded, zip_update};
 
 /// `softmax(scale · att + causal mask)` over the last dimension; `att` is
 /// (…, T, T). Differentiable.
@@ -242,9 +243,9 @@ impl CustomOp1 for CausalSoftmax {
                 let (mut y, mut wide, mut out) = (Vec::with_capacity(n), vec![0f32; ROWS * t], vec![0f32; ROWS * t]);
                 for (c, x) in x[range].chunks(ROWS * t).enumerate() {
                     let (wide, out) = (&mut wide[..x.len()], &mut out[..x.len()]);
-                    wide.iter_mut().zip(x).for_each(|(w, &v)| *w = v.to_f32());
+                    zip_update(wide, x, |w, v| *w = from_bf16(v));
                     forward_rows_f32(wide, out, t, c * ROWS % t, self.scale as f32);
-                    y.extend(out.iter().map(|&v| bf16::from_f32(v)));
+                    push_rounded(&mut y, out);
                 }
                 CpuStorage::BF16(y)
             }
@@ -287,10 +288,10 @@ impl CustomOp2 for CausalSoftmaxBackward {
                 let (mut wy, mut wg, mut out) = (vec![0f32; block], vec![0f32; block], vec![0f32; block]);
                 for (c, (y, g)) in y[ry].chunks(block).zip(g[rg].chunks(block)).enumerate() {
                     let (wy, wg, out) = (&mut wy[..y.len()], &mut wg[..y.len()], &mut out[..y.len()]);
-                    wy.iter_mut().zip(y).for_each(|(w, &v)| *w = v.to_f32());
-                    wg.iter_mut().zip(g).for_each(|(w, &v)| *w = v.to_f32());
+                    zip_update(wy, y, |w, v| *w = from_bf16(v));
+                    zip_update(wg, g, |w, v| *w = from_bf16(v));
                     backward_rows_f32(wy, wg, out, t, c * ROWS % t, self.scale as f32);
-                    dx.extend(out.iter().map(|&v| bf16::from_f32(v)));
+                    push_rounded(&mut dx, out);
                 }
                 CpuStorage::BF16(dx)
             }
@@ -305,6 +306,7 @@ mod tests {
     use super::super::common::testing::{max_diff, random};
     use super::*;
     use candle_core::{D, DType, Device, Var};
+    use half::bf16;
 
     /// nanoGPT's three ops, composed from candle's: scale, mask with −∞, softmax.
     fn composite(att: &Tensor, scale: f64) -> Tensor {
