@@ -205,6 +205,23 @@ fn reference_data_refuses_what_it_would_ignore() {
     );
 }
 
+/// `--reduce-dtype bf16` where a part of the run reduces in fp32 only, and an unknown dtype.
+#[test]
+fn reduce_dtype_where_it_cannot_apply() {
+    let e = fails("step03-layerwise-shard", 2, &["--no-plot", "--check", "--reduce-dtype", "bf16"], "bad-reduce-check");
+    assert_eq!(
+        e,
+        "error: --check compares against lesson 02, which reduces in fp32: leave out --check, or --reduce-dtype bf16"
+    );
+    let e = fails("step04-optimizer-state-shard", 2, &["--hsdp", "1", "--reduce-dtype", "bf16"], "bad-reduce-hsdp");
+    assert_eq!(
+        e,
+        "error: --hsdp reduces across replica groups in fp32 only here: leave out --reduce-dtype bf16, or --hsdp"
+    );
+    let e = fails("step04-optimizer-state-shard", 2, &["--reduce-dtype", "fp16"], "bad-reduce-fp16");
+    assert!(e.contains("`fp16` is not a reduce dtype: choose fp32 or bf16"), "{e}");
+}
+
 /// The measuring knobs, set wrong: the same one line from rank 0, every rank
 /// stopped before its first collective (nothing half-run, nothing written).
 #[test]

@@ -756,6 +756,29 @@ fn mismatched_checkpoints_are_refused_naming_the_flag() {
         "mismatch-precision",
         "was trained with --precision bf16; this run has --precision fp32",
     );
+    // So is the reduce dtype: refused both ways (an fp32 checkpoint records no flag).
+    refused(
+        "step04-optimizer-state-shard",
+        &ck4,
+        &["--reduce-dtype", "bf16"],
+        "mismatch-reduce-on",
+        "was trained without --reduce-dtype; this run has --reduce-dtype bf16: leave --reduce-dtype out to resume it",
+    );
+    let ck16 = ckpt_dir("mismatch-reduce");
+    train(
+        "step04-optimizer-state-shard",
+        2,
+        "2",
+        &["--ckpt", s(&ck16), "--reduce-dtype", "bf16"],
+        "mismatch-reduce-good",
+    );
+    refused(
+        "step04-optimizer-state-shard",
+        &ck16,
+        &[],
+        "mismatch-reduce-off",
+        "was trained with --reduce-dtype bf16; this run has no --reduce-dtype: pass --reduce-dtype bf16 to resume it",
+    );
 }
 
 #[test]

@@ -94,6 +94,51 @@ fn bf16_halves_the_all_gather_bytes() {
     assert_eq!((g1, r1), (g16 / 2, r16));
 }
 
+/// `--reduce-dtype bf16`: the reduce-scatter moves 2 bytes per element, half
+/// of fp32's to the byte, and every sum of the pairwise tree is rounded to
+/// bf16 wherever it is formed — so the bits are the same at 1, 2 and 4 ranks,
+/// with the reduce-scatter on the stream (`--prefetch`), and at stages 1 and
+/// 2, and differ from the fp32 reduction's.
+#[test]
+fn a_bf16_reduction_halves_the_reduce_scatter_and_keeps_one_order() {
+    let run = |n: usize, extra: &[&str], name: &str| {
+        let (o, out) = mpirun(PKG, n, &with(extra), name);
+        ok_stdout(&o);
+        let r = report(&out);
+        let per_step = r["traffic"]["reduce_scatter"]["bytes_sent"].as_u64().unwrap() / r["steps"].as_u64().unwrap();
+        let expected = r["expected_bytes_per_step"]["reduce_scatter"].as_u64().unwrap();
+        assert_eq!(per_step, expected, "{name}: the bytes against theory");
+        (digest(&out), per_step)
+    };
+    let (fp32, bytes32) = run(2, &[], "l04-reduce-fp32");
+    let (bf16, bytes16) = run(2, &["--reduce-dtype", "bf16"], "l04-reduce-bf16-2");
+    assert_eq!(bytes16 * 2, bytes32, "half the bytes");
+    assert_ne!(bf16, fp32, "rounding each sum to bf16 changes the weights");
+    for (n, extra, name) in [
+        (1, &["--reduce-dtype", "bf16"][..], "l04-reduce-bf16-1"),
+        (4, &["--reduce-dtype", "bf16"], "l04-reduce-bf16-4"),
+        (2, &["--reduce-dtype", "bf16", "--prefetch"], "l04-reduce-bf16-stream"),
+        (2, &["--reduce-dtype", "bf16", "--stage", "1"], "l04-reduce-bf16-s1"),
+        (4, &["--reduce-dtype", "bf16", "--stage", "2", "--overlap-comm"], "l04-reduce-bf16-s2"),
+    ] {
+        assert_eq!(run(n, extra, name).0, bf16, "{name}");
+    }
+}
+
+/// The gradient reduction's bf16 rounding (`fsdp_comm`, which does not
+/// depend on the model's crate) and the model's give the same bits for
+/// every rounding case of every exponent and sign, NaNs included.
+#[test]
+fn the_reductions_bf16_rounding_is_the_models() {
+    let lows = [0u32, 1, 0x3FFF, 0x7FFF, 0x8000, 0x8001, 0xFFFF];
+    for high in 0..=0xFFFFu32 {
+        for low in lows {
+            let x = f32::from_bits(high << 16 | low);
+            assert_eq!(fsdp_comm::reduce::bf16_bits(x), fsdp_gpt::precision::to_bf16(x).to_bits(), "{x:e}");
+        }
+    }
+}
+
 /// The side-by-side totals fall stage by stage, and so does the heap the
 /// allocator measured: ZeRO-3 peaks below data parallelism.
 #[test]

@@ -37,6 +37,8 @@ fn refusal(s: &Session, size: usize) -> Option<anyhow::Error> {
         )
     } else if s.args.trace.is_some() {
         anyhow!("--hsdp is not traced yet (the trace records the world's collectives): leave out --trace, or --hsdp")
+    } else if s.reduce_dtype == fsdp_comm::ReduceDtype::Bf16 {
+        anyhow!("--hsdp reduces across replica groups in fp32 only here: leave out --reduce-dtype bf16, or --hsdp")
     } else {
         return None;
     })

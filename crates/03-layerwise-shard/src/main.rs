@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::anyhow;
 use clap::Parser;
-use fsdp_comm::nan_max;
+use fsdp_comm::{ReduceDtype, nan_max};
 use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
@@ -20,6 +20,7 @@ use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::tally::{bytes_per_step, prefetch_within_budget, tally, unsharded_peak_table};
 use step03_layerwise_shard::units::{UnitPolicy, build_units, reserve_receive_buffers};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp};
+use step03_layerwise_shard::{describe_reduce, reduce_flag};
 
 const LESSON: Lesson =
     Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time", exercises: 2 };
@@ -69,12 +70,27 @@ struct Args {
     /// shard all-reduced across the groups. S = N is plain FSDP.
     #[arg(long, allow_negative_numbers = true, value_name = "S")]
     hsdp: Option<usize>,
+    /// The dtype gradients are summed and reduce-scattered in (FSDP2's
+    /// `MixedPrecisionPolicy.reduce_dtype`): fp32, or bf16 — half the
+    /// reduce-scatter's bytes, every sum of the fixed pairwise tree rounded
+    /// to bf16 (a micro-batch's gradient, each addition on a rank or across
+    /// ranks), so the bits still do not depend on the world size.
+    #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<ReduceDtype>())]
+    reduce_dtype: ReduceDtype,
 }
 
 fn main() -> ExitCode {
     fsdp_harness::main(LESSON, |world, lesson| {
         let args: Args = fsdp_harness::parse_args(lesson)?;
-        let (s, start) = Session::new(world, lesson, args.train)?;
+        let (mut s, start) = Session::with_flags(world, lesson, args.train, &reduce_flag(args.reduce_dtype))?;
+        s.reduce_dtype = args.reduce_dtype;
+        let check = match (args.check, args.reduce_dtype) {
+            (true, ReduceDtype::Bf16) => Err(anyhow!(
+                "--check compares against lesson 02, which reduces in fp32: leave out --check, or --reduce-dtype bf16"
+            )),
+            _ => Ok(()),
+        };
+        fsdp_harness::edge::agree(world, check)?;
         let clip = s.args.grad_clip.is_some();
         fsdp_harness::edge::agree(world, exercise::needs(3, 2, clip, "under --grad-clip: add --grad-clip 0.5"))?;
         let layers = s.cfg.n_layer;
@@ -106,6 +122,7 @@ fn main() -> ExitCode {
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
             ("prefetch", step03_layerwise_shard::layerwise_shard::describe_prefetch(prefetch, asked)),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
+            ("gradient reduce dtype", describe_reduce(args.reduce_dtype)),
             ("tied wte's gradient", head_grad.describe(s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size)),
             (
                 "check against lesson 02",
@@ -148,7 +165,7 @@ fn main() -> ExitCode {
         let full = fsdp.gather_full(&s);
 
         let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout()).collect();
-        let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts, head_grad, 4);
+        let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts, head_grad, 4, s.reduce_dtype.bytes());
         let scatter_bytes = scatter_bytes * s.sum_groups.per_rank() as u64; // one sum per group of mine
         let mut units = Table::new(["unit", "elements", "padding", "shard / rank", "MB unsharded"]);
         for u in &fsdp.units {

@@ -31,8 +31,9 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         .add("AdamW m shards", shard, 4, &share)
         .add("AdamW v shards", shard, 4, &share)
         .add("grad shards (fp32)", shard, 4, "reduce-scattered, 1/N of every unit");
-    for (_, category, len, note) in receive_buffers(s, units) {
-        k.add(category, len, 4, note);
+    for (group, category, len, note) in receive_buffers(s, units) {
+        let elem = if group == fsdp_comm::Group::Replica { 4 } else { s.reduce_dtype.bytes() }; // (HSDP: fp32 only)
+        k.add(category, len, elem, note);
     }
     s.data_tally(&mut k);
 
@@ -332,18 +333,18 @@ pub fn unsharded_peak_table(units: &[FsdpUnit], prefetch: usize, head: HeadGrad)
 
 // ANCHOR: traffic
 /// Bytes one rank sends per step, (all-gather, reduce-scatter), given the
-/// units' layouts, the root first, and the bytes of a gathered element (4
-/// in fp32; lesson 04 gathers its compute dtype). Each gather sends my
-/// shard to N − 1 ranks; every unit is gathered twice (a block for forward
-/// and backward, the root for the embedding and the head; a third time for
-/// the root when the head is recomputed) and its fp32 gradient
-/// reduce-scattered once.
-pub fn bytes_per_step(units: &[ShardLayout], head: HeadGrad, gather_elem: usize) -> (u64, u64) {
+/// units' layouts, the root first, the bytes of a gathered element (4 in
+/// fp32; lesson 04 gathers its compute dtype) and of a reduced one (4, or 2
+/// under `--reduce-dtype bf16`). Each gather sends my shard to N − 1 ranks;
+/// every unit is gathered twice (a block for forward and backward, the root
+/// for the embedding and the head; a third time for the root when the head
+/// is recomputed) and its gradient reduce-scattered once.
+pub fn bytes_per_step(units: &[ShardLayout], head: HeadGrad, gather_elem: usize, reduce_elem: usize) -> (u64, u64) {
     let (mut gather, mut scatter) = (0, 0);
     for (i, l) in units.iter().enumerate() {
         let once = ((l.world - 1) * l.shard_len) as u64;
         gather += once * gather_elem as u64 * if i == 0 { head.root_gathers() } else { 2 } as u64;
-        scatter += once * 4;
+        scatter += once * reduce_elem as u64;
     }
     (gather, scatter)
 }

@@ -421,6 +421,25 @@ pub fn model_ranges(table: &ParamTable, params: &[usize], layout: ShardLayout, r
 }
 // ANCHOR_END: model_ranges
 
+/// `--reduce-dtype` as a checkpoint records it: only bf16, which changes
+/// the arithmetic (a run without the flag reduces in fp32, as before it existed).
+pub fn reduce_flag(dtype: fsdp_comm::ReduceDtype) -> Vec<(&'static str, String)> {
+    match dtype {
+        fsdp_comm::ReduceDtype::F32 => vec![],
+        fsdp_comm::ReduceDtype::Bf16 => vec![("--reduce-dtype", dtype.to_string())],
+    }
+}
+
+/// The config table's row for `--reduce-dtype`.
+pub fn describe_reduce(dtype: fsdp_comm::ReduceDtype) -> String {
+    match dtype {
+        fsdp_comm::ReduceDtype::F32 => "fp32, summed as a fixed pairwise tree".into(),
+        fsdp_comm::ReduceDtype::Bf16 => {
+            "bf16: every sum of the fixed pairwise tree rounded to bf16, 2 bytes per element reduce-scattered".into()
+        }
+    }
+}
+
 /// The units for report.json: name, elements, my shard's length.
 pub fn units_json(units: &[FsdpUnit]) -> serde_json::Value {
     let one =

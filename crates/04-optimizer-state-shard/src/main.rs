@@ -13,12 +13,13 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use fsdp_comm::ReduceDtype;
 use fsdp_gpt::Precision;
 use fsdp_harness::session::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise};
 use step03_layerwise_shard::layerwise_shard::{describe_prefetch, prefetch_depth};
 use step03_layerwise_shard::tally::bytes_per_step;
-use step03_layerwise_shard::{HeadGrad, hsdp};
+use step03_layerwise_shard::{HeadGrad, describe_reduce, hsdp, reduce_flag};
 use step04_optimizer_state_shard::OptimizerStateShard;
 use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally, stage2_tally};
 
@@ -69,6 +70,13 @@ struct Args {
     /// groups of S consecutive ranks, replicated across the N/S groups.
     #[arg(long, allow_negative_numbers = true, value_name = "S")]
     hsdp: Option<usize>,
+    /// The dtype gradients are summed and reduce-scattered in (FSDP2's
+    /// `MixedPrecisionPolicy.reduce_dtype`): fp32, or bf16 — half the
+    /// reduce-scatter's bytes, every sum of the fixed pairwise tree rounded
+    /// to bf16 (a micro-batch's gradient, each addition on a rank or across
+    /// ranks), so the bits still do not depend on the world size.
+    #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<ReduceDtype>())]
+    reduce_dtype: ReduceDtype,
 }
 
 const STAGES: [&str; 3] = [
@@ -81,8 +89,10 @@ fn main() -> ExitCode {
     fsdp_harness::main(LESSON, |world, lesson| {
         let args: Args = fsdp_harness::parse_args(lesson)?;
         // The stage does not change the arithmetic (a ZeRO-1 checkpoint resumes at ZeRO-3); the precision does.
-        let (s, start) =
-            Session::with_flags(world, lesson, args.train, &[("--precision", args.precision.to_string())])?;
+        let mut flags = vec![("--precision", args.precision.to_string())];
+        flags.extend(reduce_flag(args.reduce_dtype));
+        let (mut s, start) = Session::with_flags(world, lesson, args.train, &flags)?;
+        s.reduce_dtype = args.reduce_dtype;
         fsdp_harness::edge::agree(
             world,
             match (args.head_grad, args.stage) {
@@ -131,7 +141,7 @@ fn main() -> ExitCode {
                 "precision",
                 format!("{}: compute copy and grads; fp32 master, gradient sums, AdamW m and v", args.precision),
             ),
-            ("gradient reduce dtype", "fp32, summed as a fixed pairwise tree".to_string()),
+            ("gradient reduce dtype", describe_reduce(args.reduce_dtype)),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
             ("prefetch", describe_prefetch(zero.fsdp.prefetch, asked)),
             (
@@ -193,8 +203,8 @@ fn main() -> ExitCode {
         let gathered = match args.stage {
             // lesson 03's schedule, gathering the compute dtype
             3 => {
-                bytes_per_step(&units.iter().map(|u| u.layout()).collect::<Vec<_>>(), head_grad, args.precision.bytes())
-                    .0
+                let layouts: Vec<_> = units.iter().map(|u| u.layout()).collect();
+                bytes_per_step(&layouts, head_grad, args.precision.bytes(), s.reduce_dtype.bytes()).0
             }
             _ => sent_bytes(args.precision.bytes()),
         };
@@ -205,7 +215,7 @@ fn main() -> ExitCode {
         };
         let mut report = Report::new(&s, &run, memory);
         let layouts: Vec<_> = units.iter().map(|u| u.layout()).collect();
-        let scattered = s.sum_groups.per_rank() as u64 * sent_bytes(4);
+        let scattered = s.sum_groups.per_rank() as u64 * sent_bytes(s.reduce_dtype.bytes());
         hsdp::report_traffic(&mut report, &s, &layouts, sent, gathered, scattered);
         report
             .table(format!(

@@ -54,7 +54,7 @@ struct Args {
 /// One lesson configuration: label, binary, extra flags. Each scheme that
 /// can keep its activations runs both ways, so that lessons compare at the
 /// same activation policy: lesson 03 and ZeRO-3 always recompute.
-const LESSONS: [(&str, &str, &[&str]); 10] = [
+const LESSONS: [(&str, &str, &[&str]); 12] = [
     ("01 data parallel", "step01-data-parallel", &[]),
     ("01 data parallel, recompute", "step01-data-parallel", &["--recompute"]),
     ("02 whole-model shard", "step02-whole-model-shard", &["--no-check", "--no-plot"]),
@@ -65,6 +65,8 @@ const LESSONS: [(&str, &str, &[&str]); 10] = [
     ("04 ZeRO-2", "step04-optimizer-state-shard", &["--stage", "2", "--precision", "fp32"]),
     ("04 ZeRO-2, recompute", "step04-optimizer-state-shard", &["--stage", "2", "--precision", "fp32", "--recompute"]),
     ("04 ZeRO-3, recompute", "step04-optimizer-state-shard", &["--stage", "3", "--precision", "fp32"]),
+    ("04 ZeRO-1, bf16", "step04-optimizer-state-shard", &["--stage", "1", "--precision", "bf16"]),
+    ("04 ZeRO-3, recompute, bf16", "step04-optimizer-state-shard", &["--stage", "3", "--precision", "bf16"]),
 ];
 
 /// Micro-batch shape per preset: (B, T). The small preset gets a smaller
@@ -134,7 +136,8 @@ fn run(a: &Args) -> anyhow::Result<()> {
     if a.matmul_only {
         let rates = matmul_rates()?;
         let json = serde_json::json!({"cpu": cpu_model(), "matmul_peak_flops": peak,
-            "path": fsdp_gpt::kernels::Isa::in_use().name(), "rates": rates, "fma_peaks": fma_peaks()});
+            "path": fsdp_gpt::kernels::Isa::in_use().name(), "rates": rates, "fma_peaks": fma_peaks(),
+            "instruction_peaks": instruction_peaks(), "bf16": fsdp_gpt::kernels::Bf16Dot::describe()});
         if a.json {
             println!("{json}");
         } else {
@@ -157,7 +160,7 @@ fn run(a: &Args) -> anyhow::Result<()> {
                     "{name}{}{}",
                     extra.iter().filter(|x| x.len() == 1).map(|s| format!("-s{s}")).collect::<String>(),
                     if extra.contains(&"--recompute") { "-recompute" } else { "" }
-                );
+                ) + if extra.contains(&"bf16") { "-bf16" } else { "" };
                 let dir = a.out.join("runs").join(&name);
                 let (b, t) = shape(preset);
                 let steps = (a.warmup + a.steps).to_string();
@@ -263,23 +266,51 @@ pub fn lesson_products(preset: &str) -> Vec<(String, usize, usize, usize, bool, 
     v
 }
 
-/// One thread's rate through `isa` for an M × K × N product: best of five
+/// A path of the lessons' matmul: f32 through an instruction set's tiles,
+/// or bf16 through one of its routes (VDPBF16PS, or emulated on f32 tiles).
+#[derive(Clone, Copy)]
+enum Route {
+    F32(fsdp_gpt::kernels::Isa),
+    Bf16(fsdp_gpt::kernels::Bf16Route),
+}
+
+impl Route {
+    fn name(self) -> String {
+        match self {
+            Route::F32(isa) => isa.name().to_string(),
+            Route::Bf16(r) => r.name(),
+        }
+    }
+
+    fn run(self, a: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(match self {
+            Route::F32(isa) => fsdp_gpt::kernels::matmul_on(a, b, isa)?,
+            Route::Bf16(r) => fsdp_gpt::kernels::matmul_bf16_on(a, b, r)?,
+        })
+    }
+}
+
+/// One thread's rate through `route` for an M × K × N product: best of five
 /// timed after one untimed, FLOP/s.
-fn rate(isa: fsdp_gpt::kernels::Isa, m: usize, k: usize, n: usize, at: bool, bt: bool) -> anyhow::Result<f64> {
+fn rate(route: Route, m: usize, k: usize, n: usize, at: bool, bt: bool) -> anyhow::Result<f64> {
+    let dtype = match route {
+        Route::F32(_) => candle_core::DType::F32,
+        Route::Bf16(_) => candle_core::DType::BF16,
+    };
     let operand = |rows: usize, cols: usize, t: bool| -> anyhow::Result<Tensor> {
         Ok(match t {
-            true => Tensor::randn(0f32, 1.0, (cols, rows), &Device::Cpu)?.t()?,
-            false => Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu)?,
+            true => Tensor::randn(0f32, 1.0, (cols, rows), &Device::Cpu)?.to_dtype(dtype)?.t()?,
+            false => Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu)?.to_dtype(dtype)?,
         })
     };
     let (a, b) = (operand(m, k, at)?, operand(k, n, bt)?);
-    let _ = fsdp_gpt::kernels::matmul_on(&a, &b, isa)?;
+    let _ = route.run(&a, &b)?;
     let reps = ((2e8 / (2.0 * (m * k * n) as f64)) as usize).clamp(1, 200); // ≈ 0.1 s at 2 GFLOP/s per timing
     let mut best = 0f64;
     for _ in 0..5 {
         let t0 = Instant::now();
         for _ in 0..reps {
-            drop(fsdp_gpt::kernels::matmul_on(&a, &b, isa)?);
+            drop(route.run(&a, &b)?);
         }
         best = best.max(reps as f64 * 2.0 * (m * k * n) as f64 / t0.elapsed().as_secs_f64());
     }
@@ -298,13 +329,127 @@ fn matmul_rates() -> anyhow::Result<Vec<Value>> {
     if paths.len() > 1 {
         paths.retain(|p| *p != fsdp_gpt::kernels::Isa::Portable);
     }
-    for isa in paths {
+    let mut routes: Vec<Route> = paths.iter().map(|&isa| Route::F32(isa)).collect();
+    routes.extend(
+        fsdp_gpt::kernels::Bf16Route::available()
+            .into_iter()
+            .filter(|r| !matches!(r, fsdp_gpt::kernels::Bf16Route::Emulated(isa) if !paths.contains(isa)))
+            .map(Route::Bf16),
+    );
+    for route in routes {
         for (name, m, k, n, at, bt) in &shapes {
-            let flops = rate(isa, *m, *k, *n, *at, *bt)?;
-            out.push(json!({"path": isa.name(), "shape": name, "m": m, "k": k, "n": n, "flops": flops}));
+            let flops = rate(route, *m, *k, *n, *at, *bt)?;
+            out.push(json!({"path": route.name(), "shape": name, "m": m, "k": k, "n": n, "flops": flops}));
         }
     }
     Ok(out)
+}
+
+/// The single-core peaks of the instructions the matmul's tiles are made
+/// of, measured: independent chains of each — twelve on 256-bit registers
+/// (AVX2's sixteen), twenty-four on 512-bit ones, enough to cover the
+/// latency at two per cycle — best of three runs of 0.1 s or so, FLOP/s:
+/// VFMADD231PS (2 FLOPs per f32 lane), and VDPBF16PS (two products and two
+/// adds per f32 lane, 4 FLOPs) where the CPU has AVX512_BF16. What a tile
+/// could reach if it did nothing else.
+fn instruction_peaks() -> Value {
+    #[allow(unused_mut)]
+    let mut peaks = serde_json::Map::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::asm;
+        // Seconds for `rounds` rounds of a body of `per` instructions.
+        fn best_of_3(run: impl Fn(u64) -> f64) -> f64 {
+            run(200_000); // the core up to its clock
+            (0..3).map(|_| run(2_000_000)).fold(f64::INFINITY, f64::min)
+        }
+        let rate = |per: f64, flops: f64, secs: f64| 2_000_000.0 * per * flops / secs;
+        if std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY (each run): register arithmetic on a CPU with the feature; clobbers named.
+            let secs = best_of_3(|rounds| {
+                let t0 = Instant::now();
+                unsafe {
+                    asm!(
+                        "vxorps ymm14, ymm14, ymm14",
+                        "vxorps ymm15, ymm15, ymm15",
+                        "2:",
+                        "vfmadd231ps ymm0, ymm14, ymm15", "vfmadd231ps ymm1, ymm14, ymm15",
+                        "vfmadd231ps ymm2, ymm14, ymm15", "vfmadd231ps ymm3, ymm14, ymm15",
+                        "vfmadd231ps ymm4, ymm14, ymm15", "vfmadd231ps ymm5, ymm14, ymm15",
+                        "vfmadd231ps ymm6, ymm14, ymm15", "vfmadd231ps ymm7, ymm14, ymm15",
+                        "vfmadd231ps ymm8, ymm14, ymm15", "vfmadd231ps ymm9, ymm14, ymm15",
+                        "vfmadd231ps ymm10, ymm14, ymm15", "vfmadd231ps ymm11, ymm14, ymm15",
+                        "dec {n}",
+                        "jnz 2b",
+                        n = inout(reg) rounds => _,
+                        out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _, out("ymm4") _, out("ymm5") _,
+                        out("ymm6") _, out("ymm7") _, out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                        out("ymm14") _, out("ymm15") _,
+                        options(nomem, nostack),
+                    );
+                }
+                t0.elapsed().as_secs_f64()
+            });
+            peaks.insert("vfmadd231ps ymm".into(), json!(rate(12.0, 16.0, secs)));
+        }
+        // 24 chains on zmm0..zmm23 of `$ins zmmR, zmm30, zmm31`.
+        macro_rules! zmm24 {
+            ($ins:literal) => {
+                |rounds: u64| {
+                    let t0 = Instant::now();
+                    unsafe {
+                        asm!(
+                            "vpxord zmm30, zmm30, zmm30",
+                            "vpxord zmm31, zmm31, zmm31",
+                            "2:",
+                            concat!($ins, " zmm0, zmm30, zmm31"),
+                            concat!($ins, " zmm1, zmm30, zmm31"),
+                            concat!($ins, " zmm2, zmm30, zmm31"),
+                            concat!($ins, " zmm3, zmm30, zmm31"),
+                            concat!($ins, " zmm4, zmm30, zmm31"),
+                            concat!($ins, " zmm5, zmm30, zmm31"),
+                            concat!($ins, " zmm6, zmm30, zmm31"),
+                            concat!($ins, " zmm7, zmm30, zmm31"),
+                            concat!($ins, " zmm8, zmm30, zmm31"),
+                            concat!($ins, " zmm9, zmm30, zmm31"),
+                            concat!($ins, " zmm10, zmm30, zmm31"),
+                            concat!($ins, " zmm11, zmm30, zmm31"),
+                            concat!($ins, " zmm12, zmm30, zmm31"),
+                            concat!($ins, " zmm13, zmm30, zmm31"),
+                            concat!($ins, " zmm14, zmm30, zmm31"),
+                            concat!($ins, " zmm15, zmm30, zmm31"),
+                            concat!($ins, " zmm16, zmm30, zmm31"),
+                            concat!($ins, " zmm17, zmm30, zmm31"),
+                            concat!($ins, " zmm18, zmm30, zmm31"),
+                            concat!($ins, " zmm19, zmm30, zmm31"),
+                            concat!($ins, " zmm20, zmm30, zmm31"),
+                            concat!($ins, " zmm21, zmm30, zmm31"),
+                            concat!($ins, " zmm22, zmm30, zmm31"),
+                            concat!($ins, " zmm23, zmm30, zmm31"),
+                            "dec {n}",
+                            "jnz 2b",
+                            n = inout(reg) rounds => _,
+                            out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _,
+                            out("zmm5") _, out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _,
+                            out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _, out("zmm14") _,
+                            out("zmm15") _, out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
+                            out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
+                            out("zmm30") _, out("zmm31") _,
+                            options(nomem, nostack),
+                        );
+                    }
+                    t0.elapsed().as_secs_f64()
+                }
+            };
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            peaks.insert("vfmadd231ps zmm".into(), json!(rate(24.0, 32.0, best_of_3(zmm24!("vfmadd231ps")))));
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16") {
+            peaks.insert("vdpbf16ps zmm".into(), json!(rate(24.0, 64.0, best_of_3(zmm24!("vdpbf16ps")))));
+        }
+    }
+    Value::Object(peaks)
 }
 
 /// The CPU's single-core f32 FMA peak per path, from the clock [`clock_hz`]
@@ -414,14 +559,20 @@ fn matmul_table(j: &Value) -> String {
         .as_object()
         .map(|o| o.iter().map(|(k, v)| format!("{k} {:.1}", v.as_f64().unwrap_or(0.0) / 1e9)).collect())
         .unwrap_or_default();
+    let measured: Vec<String> = j["instruction_peaks"]
+        .as_object()
+        .map(|o| o.iter().map(|(k, v)| format!("{k} {:.1}", v.as_f64().unwrap_or(0.0) / 1e9)).collect())
+        .unwrap_or_default();
     format!(
-        "{}: the lessons' matmul on one thread, GFLOP/s (best of 5), through every path this CPU runs (in use: {}):\n{}FMA peak at the clock measured now, {:.0} MHz (/proc/cpuinfo says {:.0}), 2 FMA units × f32 lanes per unit per cycle × 2 FLOPs: {} GFLOP/s\n",
+        "{}: the lessons' matmul on one thread, GFLOP/s (best of 5), through every path this CPU runs (in use: {}; bf16: {}):\n{}FMA peak at the clock measured now, {:.0} MHz (/proc/cpuinfo says {:.0}), 2 FMA units × f32 lanes per unit per cycle × 2 FLOPs: {} GFLOP/s\nThe instructions' peaks, measured (independent chains, nothing else): {} GFLOP/s\n",
         j["cpu"].as_str().unwrap_or("?"),
         j["path"].as_str().unwrap_or("?"),
+        j["bf16"].as_str().unwrap_or("?"),
         t.render(),
         peaks["mhz"].as_f64().unwrap_or(0.0),
         peaks["cpuinfo_mhz"].as_f64().unwrap_or(0.0),
-        p.join(", ")
+        p.join(", "),
+        measured.join(", "),
     )
 }
 

@@ -17,7 +17,7 @@ use mpi::traits::*;
 
 use crate::ExactSquares;
 use crate::layout::ShardLayout;
-use crate::reduce::{MicroBatchSum, sum_pairwise};
+use crate::reduce::{MicroBatchSum, ReduceDtype, bf16_bits, bf16_value, sum_pairwise, sum_pairwise_bf16};
 use crate::stream::Progress;
 use crate::trace::{Lane, Trace};
 use crate::traffic::{Collective, Times, Traffic};
@@ -211,7 +211,7 @@ impl Comm {
         }
     }
 
-    fn raw_all_to_all(&self, send: &[f32], recv: &mut [f32]) {
+    fn raw_all_to_all<T: Equivalence>(&self, send: &[T], recv: &mut [T]) {
         match &self.progress {
             None => self.comm.all_to_all_into(send, recv),
             Some(p) => mpi::request::scope(|sc| p.drive(self.comm.immediate_all_to_all_into(sc, send, recv))),
@@ -232,7 +232,12 @@ impl Comm {
     /// Bytes each rank sends in a reduce-scatter of `groups` f32 sums packed
     /// per rank, each rank keeping `shard` elements: its all-to-all.
     pub(crate) fn reduce_scatter_bytes(&self, groups: usize, shard: usize) -> usize {
-        groups * (self.size - 1) * shard * F32
+        self.reduce_scatter_bytes_in(ReduceDtype::F32, groups, shard)
+    }
+
+    /// The same in `dtype`: 2 bytes per element under bf16.
+    pub(crate) fn reduce_scatter_bytes_in(&self, dtype: ReduceDtype, groups: usize, shard: usize) -> usize {
+        groups * (self.size - 1) * shard * dtype.bytes()
     }
 
     /// Bytes each rank sends in an ordered all-reduce of `groups` sums: their
@@ -367,10 +372,57 @@ impl Comm {
 
     /// **reduce-scatter of a gradient sum**: `grads` is this rank's sum of
     /// its micro-batches' gradients (whole, padded vectors); afterwards
-    /// `mine` holds my shard of the sum over all ranks, in the step's one order.
+    /// `mine` holds my shard of the sum over all ranks, in the step's one
+    /// order — in the sum's dtype ([`MicroBatchSum::in_dtype`]): under bf16,
+    /// 2-byte elements on the wire, each sum across ranks rounded too (the
+    /// sums' buffers are the send buffer then, and hold no values after).
     pub fn reduce_scatter_sum(&self, grads: &mut MicroBatchSum, mine: &mut [f32]) {
-        self.reduce_scatter_groups(grads.sums(), mine);
+        match grads.dtype() {
+            ReduceDtype::F32 => self.reduce_scatter_groups(grads.sums(), mine),
+            ReduceDtype::Bf16 => self.reduce_scatter_groups_bf16(grads.sums(), mine),
+        }
     }
+
+    /// [`Comm::reduce_scatter_groups`] in bf16 ([`Comm::reduce_scatter_packed_bf16`]).
+    fn reduce_scatter_groups_bf16(&self, groups: &mut [Vec<f32>], mine: &mut [f32]) {
+        let (k, n) = (groups.len(), mine.len());
+        let bytes = self.reduce_scatter_bytes_in(ReduceDtype::Bf16, k, n);
+        self.timed(Collective::ReduceScatter, bytes, bytes, || match groups {
+            [only] => self.reduce_scatter_packed_bf16(only, 1, mine),
+            _ => self.reduce_scatter_packed_bf16(&mut pack_groups(groups, self.size, n), k, mine),
+        });
+    }
+
+    // ANCHOR: bf16_reduce_scatter
+    /// The ordered reduce-scatter in bf16: `send`, packed as for
+    /// [`Comm::reduce_scatter_packed`] and holding bf16 values, is compacted
+    /// in place into their bits (its f32 values are gone afterwards), those
+    /// cross the all-to-all — 2 bytes per element, half of fp32's — and the
+    /// parts are added as the same pairwise tree, each sum rounded to bf16,
+    /// in place on the receive buffer; `mine` gets my shard of the result.
+    pub(crate) fn reduce_scatter_packed_bf16(&self, send: &mut [f32], groups: usize, mine: &mut [f32]) {
+        let n = mine.len();
+        assert_eq!(send.len(), groups * n * self.size, "reduce_scatter: input must hold N shards per group");
+        let bits = compact_bf16(send);
+        let mut scratch = self.scratch.borrow_mut(); // f32 words, read as bf16 bits: half as many
+        let words = bits.len().div_ceil(2);
+        if scratch.len() < words {
+            scratch.resize(words, 0.0); // only when not reserved: kept for the next call
+        }
+        let received = &mut as_bits(&mut scratch[..words])[..bits.len()];
+        if self.size == 1 {
+            received.copy_from_slice(bits);
+        } else {
+            self.raw_all_to_all(bits, received);
+        }
+        let mut kept = self.parts.borrow_mut();
+        let mut parts: Vec<&mut [u16]> = reuse(&mut kept);
+        parts.extend(received.chunks_exact_mut(n));
+        sum_pairwise_bf16(&mut parts); // in place, into the first: the pairwise tree, each sum rounded
+        mine.iter_mut().zip(parts[0].iter()).for_each(|(m, &b)| *m = bf16_value(b));
+        *kept = reuse(&mut parts);
+    }
+    // ANCHOR_END: bf16_reduce_scatter
 
     /// **all-reduce of a gradient sum**: as [`Comm::reduce_scatter_sum`],
     /// then an all-gather; returns the whole sum over all ranks (padded),
@@ -479,14 +531,37 @@ pub(crate) fn pack_groups(groups: &[Vec<f32>], size: usize, n: usize) -> Vec<f32
 }
 
 /// The empty `Vec` of part pointers `kept`, for pointers of another
-/// lifetime: the reduction fills it, and empties it back into `kept`, so its
+/// lifetime (and of another element type: f32 parts, or a bf16 reduction's
+/// u16): the reduction fills it, and empties it back into `kept`, so its
 /// allocation is made once and never freed (a stream's thread must not
 /// allocate while the compute thread's heap is measured).
-fn reuse<'a, 'b>(kept: &mut Vec<&'a mut [f32]>) -> Vec<&'b mut [f32]> {
+fn reuse<'a, 'b, A, B>(kept: &mut Vec<&'a mut [A]>) -> Vec<&'b mut [B]> {
     let mut v = std::mem::take(kept);
     v.clear();
     // SAFETY: the vector is empty, so no reference of lifetime 'a is left in
-    // it to outlive its borrow, and `&mut [f32]` has one layout whatever its
-    // lifetime: only the allocation is carried over.
-    unsafe { std::mem::transmute::<Vec<&'a mut [f32]>, Vec<&'b mut [f32]>>(v) }
+    // it to outlive its borrow, and `&mut [T]` (a pointer and a length) has
+    // one layout whatever its lifetime and element type: only the allocation
+    // is carried over.
+    unsafe { std::mem::transmute::<Vec<&'a mut [A]>, Vec<&'b mut [B]>>(v) }
+}
+
+/// `v`'s values (bf16 ones held as f32) compacted in place into their bf16
+/// bits, which then fill the first half of `v`'s bytes: element i's two
+/// bytes are written at 2i, after element i's four at 4i were read, and
+/// before any later element's are — nothing unread is overwritten.
+fn compact_bf16(v: &mut [f32]) -> &[u16] {
+    let (n, p) = (v.len(), v.as_mut_ptr());
+    for i in 0..n {
+        // SAFETY: i < n; the read of element i precedes the write at byte 2i ≤ 4i, and later
+        // elements start at byte 4(i + 1) > 2i + 2: the write touches only elements already read.
+        unsafe { p.cast::<u16>().add(i).write(bf16_bits(p.add(i).read())) };
+    }
+    // SAFETY: the first n u16s of v's storage were all written above; f32's alignment covers u16's.
+    unsafe { std::slice::from_raw_parts(p.cast::<u16>(), n) }
+}
+
+/// An f32 buffer's storage as u16s, twice as many (any bits are valid u16s).
+fn as_bits(v: &mut [f32]) -> &mut [u16] {
+    // SAFETY: the same bytes, u16's alignment divides f32's, every bit pattern is a valid u16.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u16>(), 2 * v.len()) }
 }

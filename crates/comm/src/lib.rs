@@ -51,7 +51,7 @@ pub use exact::ExactSquares;
 pub use layout::{ShardInfo, ShardLayout};
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
 pub use mpi::traits::Equivalence;
-pub use reduce::{Adding, MicroBatchSum, SumGroups, nan_max, sum_pairwise};
+pub use reduce::{Adding, MicroBatchSum, ReduceDtype, SumGroups, nan_max, sum_pairwise, sum_pairwise_bf16};
 pub use stream::{Group, Pending, Policy, Stream, Wire};
 pub use trace::{Lane, Span, Trace};
 pub use traffic::{Collective, Times, Traffic, TrafficStats};

@@ -38,6 +38,98 @@ fn add_assign(out: &mut [f32], x: &[f32]) {
     out.iter_mut().zip(x).for_each(|(o, x)| *o += x);
 }
 
+// ANCHOR: reduce_dtype
+/// The dtype gradients are reduced in: FSDP2's `MixedPrecisionPolicy.reduce_dtype`
+/// (`--reduce-dtype`). Under `Bf16` every sum of the pairwise tree is rounded
+/// to bf16 — each micro-batch's gradient as it arrives, each addition of two
+/// partial sums, on a rank or across ranks — so the tree is computed the same
+/// way whichever rank forms which of its sums (the bits still do not depend
+/// on the world size), and the reduce-scatter sends 2-byte elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReduceDtype {
+    /// fp32 sums (FSDP2's advice: `reduce_dtype=torch.float32`).
+    #[default]
+    F32,
+    /// bf16 sums: half the reduce-scatter's bytes, each sum rounded.
+    Bf16,
+}
+
+impl ReduceDtype {
+    /// Bytes per element on the wire.
+    pub fn bytes(self) -> usize {
+        match self {
+            ReduceDtype::F32 => 4,
+            ReduceDtype::Bf16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for ReduceDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReduceDtype::F32 => "fp32",
+            ReduceDtype::Bf16 => "bf16",
+        })
+    }
+}
+
+impl std::str::FromStr for ReduceDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" | "f32" => Ok(ReduceDtype::F32),
+            "bf16" => Ok(ReduceDtype::Bf16),
+            _ => Err(format!("`{s}` is not a reduce dtype: choose fp32 or bf16")),
+        }
+    }
+}
+
+/// f32 → bf16 bits, rounded to nearest even, a NaN kept a (quiet) NaN: the
+/// bits of `fsdp_gpt::precision::to_bf16` (and `half`'s), which this crate
+/// does not depend on; a test of the workspace holds the two together.
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16;
+    let nan = (b & 0x7FFF_FFFF) > 0x7F80_0000;
+    (if nan { (b >> 16) | 0x0040 } else { rounded }) as u16
+}
+
+/// A bf16's bits as the f32 it is (exactly; no NaN is made here).
+#[inline(always)]
+pub fn bf16_value(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// `x` rounded to bf16, as an f32.
+#[inline(always)]
+fn round_bf16(x: f32) -> f32 {
+    bf16_value(bf16_bits(x))
+}
+
+/// `out += x`, each sum rounded to bf16 (both already bf16 values).
+fn add_assign_bf16(out: &mut [f32], x: &[f32]) {
+    assert_eq!(out.len(), x.len(), "summands differ in length");
+    out.iter_mut().zip(x).for_each(|(o, &x)| *o = round_bf16(*o + x));
+}
+
+/// [`sum_pairwise`] of bf16 parts, in place on their bits: the same tree,
+/// each sum rounded to bf16 — what the reduce-scatter does with the parts a
+/// bf16 all-to-all delivered.
+pub fn sum_pairwise_bf16(parts: &mut [&mut [u16]]) {
+    assert!(!parts.is_empty(), "sum_pairwise_bf16: nothing to sum");
+    if parts.len() > 1 {
+        let (left, right) = parts.split_at_mut(parts.len() / 2);
+        sum_pairwise_bf16(left);
+        sum_pairwise_bf16(right);
+        assert_eq!(left[0].len(), right[0].len(), "summands differ in length");
+        for (o, &x) in left[0].iter_mut().zip(right[0].iter()) {
+            *o = bf16_bits(bf16_value(*o) + bf16_value(x));
+        }
+    }
+}
+// ANCHOR_END: reduce_dtype
+
 /// `max` that keeps a NaN: a broken run must not read as "0 divergence"
 /// (`f32::max` drops a NaN, and so does a comparison-based max).
 pub fn nan_max(a: f32, b: f32) -> f32 {
@@ -219,6 +311,8 @@ fn merge_siblings<T>(
 pub struct MicroBatchSum {
     plan: SumGroups,
     len: usize,
+    /// Whether each sum is rounded to bf16 ([`ReduceDtype`]).
+    dtype: ReduceDtype,
     nodes: HashSet<Range<usize>>,
     /// Partial sums not yet merged: the micro-batches each covers, and its values.
     stack: Vec<(Range<usize>, Vec<f32>)>,
@@ -235,7 +329,29 @@ impl MicroBatchSum {
     /// An empty sum of vectors of `len` elements, in the order of `plan`.
     pub fn new(plan: SumGroups, len: usize) -> Self {
         let nodes = group_tree(plan.group_len());
-        Self { plan, len, nodes, stack: vec![], sums: vec![], spare: vec![], added: 0, done: vec![] }
+        Self {
+            plan,
+            len,
+            dtype: ReduceDtype::F32,
+            nodes,
+            stack: vec![],
+            sums: vec![],
+            spare: vec![],
+            added: 0,
+            done: vec![],
+        }
+    }
+
+    /// The same sum in `dtype`: under bf16 each micro-batch's gradient is
+    /// rounded to bf16 as its ranges are done, and each addition of the tree.
+    pub fn in_dtype(mut self, dtype: ReduceDtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The dtype its sums are formed (and reduced across ranks) in.
+    pub fn dtype(&self) -> ReduceDtype {
+        self.dtype
     }
 
     /// The same sum with its buffers allocated now: as many as the tree
@@ -344,15 +460,22 @@ impl Adding<'_> {
         assert!(r.end <= self.buf.len(), "a range beyond the sum's {} elements", self.buf.len());
         assert!(self.done.iter().all(|d| d.end <= r.start || r.end <= d.start), "a range of the sum was added twice");
         self.done.push(r.clone());
+        let add = match self.sum.dtype {
+            ReduceDtype::F32 => add_assign,
+            ReduceDtype::Bf16 => {
+                self.buf[r.clone()].iter_mut().for_each(|g| *g = round_bf16(*g)); // the leaf, in bf16
+                add_assign_bf16
+            }
+        };
         let stack = &mut self.sum.stack;
         let n = stack.len();
         if self.merges == 0 {
             return; // the leaf stays on the stack as it is
         }
-        add_assign(&mut stack[n - 1].1[r.clone()], &self.buf[r.clone()]);
+        add(&mut stack[n - 1].1[r.clone()], &self.buf[r.clone()]);
         for t in (n - self.merges..n - 1).rev() {
             let (lower, upper) = stack.split_at_mut(t + 1);
-            add_assign(&mut lower[t].1[r.clone()], &upper[0].1[r.clone()]);
+            add(&mut lower[t].1[r.clone()], &upper[0].1[r.clone()]);
         }
     }
 
@@ -447,6 +570,58 @@ mod tests {
         assert!(!SumGroups::new(3, 24, 3).unwrap().same_order(&SumGroups::new(1, 24, 1).unwrap()));
         let per_world: Vec<u32> = [1, 3, 6, 12].iter().map(|&n| as_ranks_would(&v, n, n).to_bits()).collect();
         assert!(per_world.iter().any(|&b| b != per_world[0]), "these values do tell orders apart: {per_world:?}");
+    }
+
+    /// What N ranks compute under a bf16 reduction: each rank's micro-batches
+    /// through a bf16 MicroBatchSum, the group sums across ranks by
+    /// [`sum_pairwise_bf16`] on their bits (what the reduce-scatter does).
+    fn as_ranks_would_bf16(values: &[f32], groups: usize, world: usize) -> f32 {
+        let plan = SumGroups::new(groups, values.len(), world).unwrap();
+        let per_rank = values.len() / world;
+        let mut bits = vec![];
+        for r in 0..world {
+            let mut s = MicroBatchSum::new(plan, 1).in_dtype(ReduceDtype::Bf16);
+            for v in &values[r * per_rank..(r + 1) * per_rank] {
+                s.add(|b| b[0] += v);
+            }
+            bits.extend(s.sums().iter().map(|g| vec![bf16_bits(g[0])]));
+        }
+        sum_pairwise_bf16(&mut bits.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>());
+        bf16_value(bits[0][0])
+    }
+
+    /// The tree written out by hand with bf16's rounding at every node, the leaves too.
+    fn tree_sum_bf16(v: &[f32]) -> f32 {
+        match v.len() {
+            1 => round_bf16(v[0]),
+            n => round_bf16(tree_sum_bf16(&v[..n / 2]) + tree_sum_bf16(&v[n / 2..])),
+        }
+    }
+
+    /// A bf16 reduction rounds every sum of the one tree — each micro-batch
+    /// on arrival, each addition on a rank or across ranks — so every
+    /// power-of-two world size, and every --sum-groups grouping of it, gets
+    /// the tree's bits; and they are not the fp32 reduction's.
+    #[test]
+    fn a_bf16_reduction_rounds_every_node_of_the_one_tree() {
+        for m in [1, 2, 3, 7, 16, 24] {
+            let v = values(m);
+            let want = tree_sum_bf16(&v).to_bits();
+            assert_eq!(as_ranks_would_bf16(&v, 1, 1).to_bits(), want, "M = {m}, one rank");
+            for n in [2, 4, 8].into_iter().filter(|n| m % n == 0) {
+                assert_eq!(as_ranks_would_bf16(&v, n, n).to_bits(), want, "M = {m}, {n} ranks");
+            }
+        }
+        let v = values(24);
+        assert_ne!(as_ranks_would_bf16(&v, 1, 1), as_ranks_would(&v, 1, 1), "bf16 sums round where fp32 ones do not");
+        // A bf16 value's bits, and back: the rounding `half` does.
+        for x in [1.0f32, 1.003_906_3, -3.3e-5, f32::MAX, 1e-40, f32::NAN] {
+            let want = x.to_bits() >> 16;
+            let got = bf16_bits(x) as u32;
+            assert!(got == want || got == want + 1 || x.is_nan(), "{x}: {got:#x}");
+        }
+        assert_eq!(bf16_bits(1.003_906_3), 0x3F80, "a tie goes to the even one");
+        assert_eq!(bf16_bits(f32::MAX), 0x7F80, "past bf16's largest: infinity");
     }
 
     #[test]

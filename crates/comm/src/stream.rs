@@ -39,6 +39,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use crate::comm::{Comm, RankSum};
+use crate::reduce::ReduceDtype;
 use crate::trace::Lane;
 use crate::traffic::{Collective, Times};
 
@@ -194,6 +195,7 @@ pub enum Op {
         groups: usize,
         mine: Vec<f32>,
         rank_sum: RankSum,
+        dtype: ReduceDtype,
     },
     AllReduce {
         buf: Vec<f32>,
@@ -220,9 +222,10 @@ impl Op {
             Op::Reserve(len, parts) => comms[g].reserve_receive_buffer(*len, *parts),
             Op::GatherF32 { mine, all } => comms[g].all_gather_untimed(&mine[..], &mut all[..]),
             Op::GatherU16 { mine, all } => comms[g].all_gather_untimed(&mine[..], &mut all[..]),
-            Op::ReduceScatter { send, groups, mine, rank_sum } => {
-                comms[g].reduce_scatter_packed(send, *groups, mine, *rank_sum)
-            }
+            Op::ReduceScatter { send, groups, mine, rank_sum, dtype } => match dtype {
+                ReduceDtype::F32 => comms[g].reduce_scatter_packed(send, *groups, mine, *rank_sum),
+                ReduceDtype::Bf16 => comms[g].reduce_scatter_packed_bf16(send, *groups, mine),
+            },
             Op::AllReduce { buf, groups, shard, rank_sum } => {
                 comms[g].all_reduce_packed(buf, *groups, shard, *rank_sum)
             }
@@ -471,16 +474,17 @@ impl Stream {
     }
 
     /// Hands over an ordered reduce-scatter of `groups` sums packed in `send`
-    /// (see `Comm::reduce_scatter_packed`); returns `mine`, my shard of the sum.
+    /// (see `Comm::reduce_scatter_packed`), in `dtype`; returns `mine`, my shard of the sum.
     pub(crate) fn reduce_scatter(
         &self,
         rec: &Comm,
         send: Vec<f32>,
         groups: usize,
         mine: Vec<f32>,
+        dtype: ReduceDtype,
     ) -> Pending<Vec<f32>> {
-        let bytes = rec.reduce_scatter_bytes(groups, mine.len());
-        let op = Op::ReduceScatter { send, groups, mine, rank_sum: rec.rank_sum() };
+        let bytes = rec.reduce_scatter_bytes_in(dtype, groups, mine.len());
+        let op = Op::ReduceScatter { send, groups, mine, rank_sum: rec.rank_sum(), dtype };
         self.pending(op, Group::World, Collective::ReduceScatter, bytes, |op| match op {
             // `send` is freed here, in the wait, on the compute thread.
             Op::ReduceScatter { mine, .. } => mine,

@@ -220,8 +220,9 @@ impl World {
     /// is left empty; the result is `mine`, holding my shard of the sum
     /// over all ranks — the bits of [`Comm::reduce_scatter_sum`].
     pub fn reduce_scatter_sum_async(&self, grads: &mut MicroBatchSum, mine: Vec<f32>) -> Pending<Vec<f32>> {
+        let dtype = grads.dtype();
         let (send, groups) = packed(grads.take_sums(), self.size(), mine.len());
-        self.started().reduce_scatter(&self.comm, send, groups, mine)
+        self.started().reduce_scatter(&self.comm, send, groups, mine, dtype)
     }
 
     /// **all-reduce on the stream** of `groups` sums packed in `buf` (one

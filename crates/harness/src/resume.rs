@@ -264,13 +264,15 @@ impl ThisRun {
             let ours = self.lesson_flags.iter().find(|(f, _)| f == flag).map_or(String::new(), |(_, v)| v.clone());
             mismatch(flag, theirs.clone(), ours)?;
         }
-        // --grad-clip changes the arithmetic both ways: a clipped resume of an unclipped run too.
-        let clipped =
-            |flags: &[(String, String)]| flags.iter().find(|(f, _)| f == "--grad-clip").map(|(_, c)| c.clone());
-        if let (None, Some(c)) = (clipped(&meta.lesson_flags), clipped(&self.lesson_flags)) {
-            bail!(
-                "checkpoint {at} was trained without --grad-clip; this run has --grad-clip {c}: leave --grad-clip out to resume it"
-            );
+        // Flags recorded only when given change the arithmetic both ways: a clipped resume of an
+        // unclipped run too, a bf16 reduction resuming an fp32 one.
+        for flag in ["--grad-clip", "--reduce-dtype"] {
+            let given = |flags: &[(String, String)]| flags.iter().find(|(f, _)| f == flag).map(|(_, c)| c.clone());
+            if let (None, Some(c)) = (given(&meta.lesson_flags), given(&self.lesson_flags)) {
+                bail!(
+                    "checkpoint {at} was trained without {flag}; this run has {flag} {c}: leave {flag} out to resume it"
+                );
+            }
         }
         if meta.step >= args.steps {
             bail!(

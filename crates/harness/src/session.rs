@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use candle_core::Var;
-use fsdp_comm::{ExactSquares, MicroBatchSum, SumGroups, World};
+use fsdp_comm::{ExactSquares, MicroBatchSum, ReduceDtype, SumGroups, World};
 use fsdp_gpt::Unit;
 use fsdp_gpt::blockwise::{self, Grads};
 use fsdp_gpt::kernels::Probs;
@@ -49,6 +49,9 @@ pub struct Session<'w> {
     pub resume_notes: Vec<String>,
     /// `--grad-clip`: this step's gradient norm before clipping, for the log and the report.
     pub grad_norm: std::cell::Cell<Option<f64>>,
+    /// The dtype gradients are summed and reduce-scattered in (`--reduce-dtype`,
+    /// lessons 03 and 04; fp32 elsewhere): [`Session::grad_sum`]'s.
+    pub reduce_dtype: ReduceDtype,
 }
 
 /// `--micro-batches` when neither the flag nor a checkpoint says.
@@ -247,6 +250,7 @@ impl<'w> Session<'w> {
             this_run,
             resume_notes,
             grad_norm: std::cell::Cell::new(None),
+            reduce_dtype: ReduceDtype::F32,
         };
         Ok((s, start))
     }
@@ -292,7 +296,7 @@ impl<'w> Session<'w> {
     /// An empty sum of my micro-batches' gradients (vectors of `len`
     /// elements), formed in the step's one summation order.
     pub fn grad_sum(&self, len: usize) -> MicroBatchSum {
-        MicroBatchSum::new(self.sum_groups, len)
+        MicroBatchSum::new(self.sum_groups, len).in_dtype(self.reduce_dtype)
     }
 
     /// The elements of the ordered reduce-scatter's all-to-all receive
@@ -305,12 +309,22 @@ impl<'w> Session<'w> {
         (self.world.size() > 1 || groups > 1).then_some(groups * padded)
     }
 
+    /// The f32 words `len` elements of the reduce dtype take: the buffers of a
+    /// bf16 reduction hold two elements a word.
+    pub fn reduce_words(&self, len: usize) -> usize {
+        match self.reduce_dtype {
+            ReduceDtype::F32 => len,
+            ReduceDtype::Bf16 => len.div_ceil(2),
+        }
+    }
+
     /// That receive buffer, allocated now, as the tallies count it (kept,
     /// from the first step on), so that step 1 peaks where every step does:
     /// on the communication stream's thread when the reductions go there
     /// (`on_stream`), else on the compute thread.
     pub fn reserve_receive_buffer(&self, padded: usize, on_stream: bool) {
         if let Some(len) = self.receive_buffer_len(padded) {
+            let len = self.reduce_words(len);
             let parts = self.sum_groups.per_rank() * self.world.size();
             match on_stream {
                 true => self.world.reserve_stream_receive_buffer(len, parts),

@@ -76,6 +76,42 @@ pub fn matmul_on(a: &Tensor, b: &Tensor, isa: Isa) -> Result<Tensor> {
     a.apply_op2_no_bwd(b, &MatMul { path: Path::On(isa) })
 }
 
+/// A bf16 path to measure: VDPBF16PS, or the emulation on the f32 tiles of an [`Isa`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Route {
+    Native,
+    Emulated(Isa),
+}
+
+impl Bf16Route {
+    /// Every bf16 path this CPU runs: VDPBF16PS where it passed its
+    /// self-test (or would: it is tried), then the emulation on each f32 path.
+    pub fn available() -> Vec<Bf16Route> {
+        let native = Bf16Dot::native_available().then_some(Bf16Route::Native);
+        native.into_iter().chain(Isa::available().into_iter().map(Bf16Route::Emulated)).collect()
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Bf16Route::Native => "bf16 vdpbf16ps".into(),
+            Bf16Route::Emulated(isa) => format!("bf16 {} (emulated)", isa.name()),
+        }
+    }
+}
+
+/// [`matmul`] of two bf16 tensors through `route` (one this CPU runs:
+/// [`Bf16Route::available`]), without a backward: for benchmarks of each path.
+pub fn matmul_bf16_on(a: &Tensor, b: &Tensor, route: Bf16Route) -> Result<Tensor> {
+    if !Bf16Route::available().contains(&route) {
+        bail!("this CPU does not run the {} path", route.name());
+    }
+    let path = match route {
+        Bf16Route::Native => Path::Bf16Native,
+        Bf16Route::Emulated(isa) => Path::On(isa),
+    };
+    a.apply_op2_no_bwd(b, &MatMul { path })
+}
+
 /// Which tiles to use: the widest the CPU runs (or the one `FSDP_MATMUL`
 /// names, for benchmarks), or — for the tests that hold the paths against
 /// each other — a narrower one, with block sizes forced small. All give the
@@ -84,6 +120,8 @@ pub fn matmul_on(a: &Tensor, b: &Tensor, isa: Isa) -> Result<Tensor> {
 enum Path {
     Fastest,
     On(Isa),
+    /// bf16 operands through the VDPBF16PS tiles (f32 ones: `Fastest`).
+    Bf16Native,
     #[cfg(test)]
     Forced(Isa, Blocks),
 }
@@ -479,7 +517,7 @@ fn products<T: Copy + 'static>(
         return vec![0f32; len]; // an empty sum is 0
     }
     let (isa, blocks) = match path {
-        Path::Fastest => (Isa::in_use(), Blocks::for_this_cpu()),
+        Path::Fastest | Path::Bf16Native => (Isa::in_use(), Blocks::for_this_cpu()),
         Path::On(isa) => (isa, Blocks::for_path(isa)),
         #[cfg(test)]
         Path::Forced(isa, blocks) => (isa, blocks),

@@ -35,6 +35,8 @@ pub(crate) use common::map;
 pub use common::{elementwise, zip_update};
 pub use layer_norm::layer_norm;
 pub use linear::{linear, linear_attention, linear_gelu};
-pub use matmul::{Bf16Dot, Blocks, Isa, bf16_self_test, check_env as check_matmul_env, matmul, matmul_on};
+pub use matmul::{
+    Bf16Dot, Bf16Route, Blocks, Isa, bf16_self_test, check_env as check_matmul_env, matmul, matmul_bf16_on, matmul_on,
+};
 pub use pointwise::{add, bias_add, gelu};
 pub use softmax::causal_softmax;

@@ -95,6 +95,14 @@ impl Bf16Dot {
             Bf16Dot::Emulated => "emulated",
         }
     }
+
+    /// Whether the VDPBF16PS tiles can run here: the CPU has AVX512_BF16 and
+    /// they passed their self-test (whatever `FSDP_BF16` or `FSDP_MATMUL` say).
+    pub fn native_available() -> bool {
+        use std::sync::OnceLock;
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| has_avx512_bf16() && self_test().is_ok())
+    }
 }
 
 /// `FSDP_BF16`, checked as the lessons check the matmul's knobs: unset,
@@ -131,7 +139,7 @@ fn why() -> Why {
             Why::Asked
         } else if Isa::in_use() != Isa::Avx512 {
             Why::NarrowerPath
-        } else if self_test().is_err() {
+        } else if !Bf16Dot::native_available() {
             Why::SelfTestFailed
         } else {
             Why::Native
@@ -144,6 +152,10 @@ fn why() -> Why {
 pub(in crate::kernels) fn products_bf16(a: &Operand, x: &[bf16], b: &Operand, y: &[bf16], path: Path) -> Vec<f32> {
     match (Bf16Dot::in_use(), path) {
         (Bf16Dot::Native, Path::Fastest) => products_native(a, x, b, y, Blocks::for_path(Isa::Avx512)),
+        (_, Path::Bf16Native) if Bf16Dot::native_available() => {
+            products_native(a, x, b, y, Blocks::for_path(Isa::Avx512))
+        }
+        (_, Path::Bf16Native) => products_emulated(a, x, b, y, Path::Fastest),
         _ => products_emulated(a, x, b, y, path),
     }
 }
