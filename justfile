@@ -95,6 +95,26 @@ zero-memory: build
     done
     target/release/zero-memory out/zero-memory
 
+# Gradients reduced in bf16 against fp32 (--reduce-dtype): lesson 04's ZeRO-3 with 16 micro-batches per step (the
+# global batch fixed) at 2, 4, 8 and 16 ranks, STEPS steps each: digests, final losses, the weights' largest
+# difference, the reduce-scatter's bytes, and the loss curves. `BOOK=1 just reduce-dtype` copies them into the book.
+reduce-dtype STEPS="60": build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    out=out/reduce-dtype; rm -rf "$out"; mkdir -p "$out"
+    for rd in fp32 bf16; do
+        for n in 2 4 8 16; do
+            mpirun -q --oversubscribe -n $n target/release/step04-optimizer-state-shard --stage 3 --micro-batches 16 \
+                --steps {{STEPS}} --log-every {{STEPS}} --reduce-dtype $rd --out "$out/$rd-$n" < /dev/null > /dev/null
+        done
+    done
+    target/release/reduce-numerics "$out" | tee "$out/reduce-dtype.txt"
+    if [ "${BOOK:-}" = 1 ]; then
+        cp "$out/reduce-dtype.txt" book/src/generated/04-reduce-dtype.txt
+        cp "$out/reduce_dtype.svg" book/src/generated/04-reduce-dtype.svg
+        echo "copied into book/src/generated/"
+    fi
+
 # Checkpoint on FROM ranks, resume on TO ranks: the same weights, bit for bit, as one uninterrupted run.
 reshard NN="03" FROM="2" TO="4": build
     #!/usr/bin/env bash

@@ -78,7 +78,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        # the loss in fp32, as the lessons compute it (a no-op for fp32 logits; bf16 ones widened)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
 def read_safetensors(path):

@@ -19,6 +19,16 @@ of each step, and the gradient is the mean over all M, as in the lessons.
          (`checkpoint_wrapper` inside `fully_shard`, as torchtitan wraps):
          each block keeps only its input and computes its forward again in
          the backward, as lesson 03 and ZeRO-3 do;
+- fsdp2-bf16, fsdp2-bf16-ac: fsdp2 and fsdp2-ac in mixed precision, as
+         FSDP2 trains in practice: `MixedPrecisionPolicy(param_dtype=bf16,
+         reduce_dtype=fp32)` on every `fully_shard` — the parameters gathered
+         and computed in bf16, the gradients reduced (and accumulated between
+         micro-batches) in fp32, the sharded fp32 parameters updated;
+- zero1-bf16: ZeRO-1 as PyTorch runs it: DDP with `ZeroRedundancyOptimizer`
+         (each rank keeps 1/N of AdamW's state and updates its parameters,
+         then broadcasts them), the forward and backward under
+         `torch.autocast("cpu", torch.bfloat16)` (matmuls in bf16 from the
+         fp32 weights, gradients fp32 and all-reduced in fp32);
 - toy:   the classic whole-model shard (lesson 02's scheme, the seed toy's):
          each rank keeps 1/N of a flat fp32 vector and its AdamW state,
          all-gathers the whole model every step, reduces the gradient and
@@ -47,7 +57,15 @@ torch.set_num_interop_threads(1)
 
 
 def main():
-    modes = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2-ac": functools.partial(fsdp2, recompute=True), "toy": toy}
+    modes = {
+        "ddp": ddp,
+        "fsdp2": fsdp2,
+        "fsdp2-ac": functools.partial(fsdp2, recompute=True),
+        "fsdp2-bf16": functools.partial(fsdp2, bf16=True),
+        "fsdp2-bf16-ac": functools.partial(fsdp2, recompute=True, bf16=True),
+        "zero1-bf16": zero1_bf16,
+        "toy": toy,
+    }
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=[*modes, "eval"])
     p.add_argument("--data", help="a folder fsdp-reference-data wrote")
@@ -152,11 +170,14 @@ def ddp(model, adamw, wd, world, rank, decayed):
     return step
 
 
-def fsdp2(model, adamw, wd, world, rank, decayed, recompute=False):
+def fsdp2(model, adamw, wd, world, rank, decayed, recompute=False, bf16=False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
+    # bf16: FSDP2's mixed precision, reduce_dtype given (torch 2.15 would take fp32 from the fp32 parameters
+    # if left None; before 2.15, None meant param_dtype, bf16).
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     blocks = model.transformer.h
     # With recompute, each block keeps only its input: its backward runs its forward again (after
     # FSDP2's pre-backward hook has gathered the block's weights again), then the backward proper.
@@ -166,8 +187,8 @@ def fsdp2(model, adamw, wd, world, rank, decayed, recompute=False):
         for i, block in enumerate(blocks):
             blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)  # no dropout: no RNG to replay
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root: embeddings, ln_f, the tied head
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, ln_f, the tied head
     opt = torch.optim.AdamW(groups(model.parameters(), wd), **adamw)  # DTensors keep their dims
     decayed[0] = sum(p.numel() for p in opt.param_groups[0]["params"])  # a DTensor's numel is the whole tensor's
 
@@ -180,6 +201,33 @@ def fsdp2(model, adamw, wd, world, rank, decayed, recompute=False):
         opt.zero_grad(set_to_none=True)
         total = micro_batch_losses(model, micro, per_rank, sync)
         norm = global_norm([q.grad.to_local() for q in model.parameters()], reduce=True) if want_norm else None
+        opt.step()
+        return total, norm
+
+    return step
+
+
+def zero1_bf16(model, adamw, wd, world, rank, decayed):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = DistributedDataParallel(model)
+    # nanoGPT's decay rule as two parameter groups: ZeroRedundancyOptimizer takes the first as its
+    # params and the second through add_param_group.
+    decay, rest = groups(net.parameters(), wd)
+    opt = ZeroRedundancyOptimizer(decay["params"], optimizer_class=torch.optim.AdamW, weight_decay=wd, **adamw)
+    opt.add_param_group(rest)
+    decayed[0] = sum(p.numel() for p in decay["params"])
+
+    @contextmanager
+    def sync(last):
+        with (nullcontext() if last else net.no_sync()), torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+
+    def step(micro, per_rank, want_norm):
+        opt.zero_grad(set_to_none=True)
+        total = micro_batch_losses(net, micro, per_rank, sync)
+        norm = global_norm([q.grad for q in net.parameters()], reduce=False) if want_norm else None
         opt.step()
         return total, norm
 

@@ -137,7 +137,8 @@ fn run(a: &Args) -> anyhow::Result<()> {
         let rates = matmul_rates()?;
         let json = serde_json::json!({"cpu": cpu_model(), "matmul_peak_flops": peak,
             "path": fsdp_gpt::kernels::Isa::in_use().name(), "rates": rates, "fma_peaks": fma_peaks(),
-            "instruction_peaks": instruction_peaks(), "bf16": fsdp_gpt::kernels::Bf16Dot::describe()});
+            "instruction_peaks": instruction_peaks(), "bf16": fsdp_gpt::kernels::Bf16Dot::describe(),
+            "bf16_path": bf16_route_in_use().name()});
         if a.json {
             println!("{json}");
         } else {
@@ -264,6 +265,15 @@ pub fn lesson_products(preset: &str) -> Vec<(String, usize, usize, usize, bool, 
         v.push((format!("{preset} {layer}: gᵀ·x"), cout, tokens, cin, true, false));
     }
     v
+}
+
+/// The bf16 route the lessons' matmul takes on this CPU (as `FSDP_MATMUL` and `FSDP_BF16` set it).
+fn bf16_route_in_use() -> fsdp_gpt::kernels::Bf16Route {
+    use fsdp_gpt::kernels::{Bf16Dot, Bf16Route, Isa};
+    match Bf16Dot::in_use() {
+        Bf16Dot::Native => Bf16Route::Native,
+        Bf16Dot::Emulated => Bf16Route::Emulated(Isa::in_use()),
+    }
 }
 
 /// A path of the lessons' matmul: f32 through an instruction set's tiles,

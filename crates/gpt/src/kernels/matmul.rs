@@ -47,7 +47,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use half::bf16;
 use std::mem::MaybeUninit;
 
-use super::common::{narrow, per_line, prefetch, prefetch_l2};
+use super::common::{from_bf16, narrow, per_line, prefetch, prefetch_l2};
 
 mod bf16_dot;
 pub use bf16_dot::{Bf16Dot, self_test as bf16_self_test};
@@ -844,12 +844,15 @@ fn pack<T: Copy + 'static, const W: usize>(
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable {
         // f32 lines along k (a row-major a: x, g, P, q; b = wᵀ or kᵀ): 8 × 8 blocks transposed in registers.
-        if v.stride != 1
-            && v.k_stride == 1
-            && let Some(x) = as_f32(x)
-        {
-            // SAFETY: the AVX2 and AVX-512 paths run only where the CPU has AVX2 (`Isa::available`).
-            return unsafe { pack_lines_avx2::<W>(v, x, kb, panels) };
+        if v.stride != 1 && v.k_stride == 1 {
+            if let Some(x) = as_type::<T, f32>(x) {
+                // SAFETY: the AVX2 and AVX-512 paths run only where the CPU has AVX2 (`Isa::available`).
+                return unsafe { pack_lines_avx2::<f32, W>(v, x, kb, panels) };
+            }
+            if let Some(x) = as_type::<T, bf16>(x) {
+                // SAFETY: as above.
+                return unsafe { pack_lines_avx2::<bf16, W>(v, x, kb, panels) };
+            }
         }
         #[target_feature(enable = "avx2")]
         fn on_avx2<T: Copy, const W: usize>(
@@ -869,25 +872,60 @@ fn pack<T: Copy + 'static, const W: usize>(
     pack_each::<T, W>(v, x, kb, widen, panels)
 }
 
-/// `x` as f32 values, when `T` is f32.
+/// `x` as values of `U`, when `T` is `U`.
 #[cfg(target_arch = "x86_64")]
-fn as_f32<T: 'static>(x: &[T]) -> Option<&[f32]> {
-    // SAFETY: T is f32, so the slice is one of f32.
-    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
-        .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
+fn as_type<T: 'static, U: 'static>(x: &[T]) -> Option<&[U]> {
+    // SAFETY: T is U, so the slice is one of U.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>())
+        .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<U>(), x.len()) })
 }
 
-/// [`pack_each`]'s lines along k (`k_stride` 1) for f32, eight lines by
-/// eight steps of k at a time: eight loads, a transpose in registers
-/// (unpack, shuffle, swap halves), and each step's eight values stored
-/// together, where a scalar copy moves one value per load and store.
-/// The same values land in the same places: only the moves differ.
-/// The edge panel (partly past the edge), and the last `kb % 8` steps,
-/// take the scalar copy. `W` is `MR` (6: one group of six lines, stored as
-/// 4 + 2 values) or a multiple of 8 (`NR`: groups of eight).
+/// The values [`pack_lines_avx2`] transposes, eight at a time as f32 lanes:
+/// f32 as they are, bf16 widened exactly (`from_bf16`'s bits).
+#[cfg(target_arch = "x86_64")]
+trait Lines8: Copy + 'static {
+    /// Eight values from `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// `p..p + 8` must be readable, and the CPU must have AVX2.
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    fn wide(self) -> f32;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lines8 for f32 {
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+    fn wide(self) -> f32 {
+        self
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lines8 for bf16 {
+    /// Each bf16 the high half of its f32, a NaN made quiet as `from_bf16` makes it.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's: 16 bytes at p.
+        let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(p.cast()) }));
+        let nan =
+            _mm256_cmpgt_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x7FFF_FFFF)), _mm256_set1_epi32(0x7F80_0000));
+        _mm256_castsi256_ps(_mm256_or_si256(w, _mm256_and_si256(nan, _mm256_set1_epi32(0x0040_0000))))
+    }
+    fn wide(self) -> f32 {
+        from_bf16(self)
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut [MaybeUninit<f32>]) {
+fn pack_lines_avx2<T: Lines8, const W: usize>(v: &View, x: &[T], kb: usize, panels: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::*;
     const { assert!(W == MR || W.is_multiple_of(8), "a panel of six lines or of groups of eight") };
     let full = v.len / W; // panels without an edge
@@ -901,10 +939,10 @@ fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut 
         if W == MR && p + 1 < full {
             for w in 0..W {
                 let next = x.as_ptr().wrapping_add(base + (W + w) * v.stride);
-                (0..kb).step_by(per_line::<f32>()).for_each(|kk| prefetch(next.wrapping_add(kk)));
+                (0..kb).step_by(per_line::<T>()).for_each(|kk| prefetch(next.wrapping_add(kk)));
             }
         }
-        let lines: [&[f32]; W] = std::array::from_fn(|w| &x[base + w * v.stride..][..kb]);
+        let lines: [&[T]; W] = std::array::from_fn(|w| &x[base + w * v.stride..][..kb]);
         let dst = panel.as_mut_ptr().cast::<f32>();
         // SAFETY: every load reads lines[w][kk..kk + 8] with kk + 8 ≤ kb, a line's length; every
         // store writes dst[(kk + j)·W + g ..][..n] with (kk + j) < kb and g + n ≤ W, inside the panel.
@@ -914,7 +952,7 @@ fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut 
                 for kk in (0..k8).step_by(8) {
                     let mut r = [_mm256_setzero_ps(); 8];
                     for (ri, line) in r.iter_mut().zip(&lines[g..g + n]) {
-                        *ri = _mm256_loadu_ps(line.as_ptr().add(kk));
+                        *ri = T::load8(line.as_ptr().add(kk));
                     }
                     // r[i] = line g+i at k = kk..kk+8  →  t[j] = every line's value at k = kk+j
                     for (j, t) in super::common::transpose8(r).into_iter().enumerate() {
@@ -931,14 +969,14 @@ fn pack_lines_avx2<const W: usize>(v: &View, x: &[f32], kb: usize, panels: &mut 
             }
             for kk in k8..kb {
                 for (w, line) in lines.iter().enumerate() {
-                    dst.add(kk * W + w).write(line[kk]);
+                    dst.add(kk * W + w).write(line[kk].wide());
                 }
             }
         }
     }
     if full * W < v.len {
         let edge = View { at: v.at + full * W * v.stride, len: v.len - full * W, ..*v };
-        pack_each::<f32, W>(&edge, x, kb, |v| v, &mut panels[full * W * kb..]);
+        pack_each::<T, W>(&edge, x, kb, T::wide, &mut panels[full * W * kb..]);
     }
 }
 

@@ -357,8 +357,27 @@ unsafe fn chain_asm(a: *const f32, b: *const f32, n: usize, odd: bool) -> f32 {
 /// Packs `kb` steps of the contraction of every panel of `W` along `v`'s
 /// `len` lines into `panels`, as [panel][pair][W] u32s (stored in f32
 /// slots: the tiles read their bits), each pair (high = step 2p, low =
-/// 2p + 1); past the edge, and the odd step's partner, 0.
+/// 2p + 1); past the edge, and the odd step's partner, 0. Compiled for AVX2
+/// (the native path runs on AVX-512 CPUs): the interleaving loops vectorise,
+/// and lines along k take [`pair_lines_avx2`]'s transposes.
 fn pack_pairs<const W: usize>(v: &super::View, x: &[bf16], kb: usize, panels: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::super::common::avx2() {
+        #[target_feature(enable = "avx2")]
+        fn on_avx2<const W: usize>(v: &super::View, x: &[bf16], kb: usize, panels: &mut [MaybeUninit<f32>]) {
+            if v.k_stride == 1 && v.stride != 1 {
+                return pair_lines_avx2::<W>(v, x, kb, panels);
+            }
+            pack_pairs_each::<W>(v, x, kb, panels)
+        }
+        // SAFETY: the CPU has AVX2 (checked).
+        return unsafe { on_avx2::<W>(v, x, kb, panels) };
+    }
+    pack_pairs_each::<W>(v, x, kb, panels)
+}
+
+#[inline(always)]
+fn pack_pairs_each<const W: usize>(v: &super::View, x: &[bf16], kb: usize, panels: &mut [MaybeUninit<f32>]) {
     let kp = kb.div_ceil(2);
     let bits = |i: usize, kk: usize| -> u32 {
         if i < v.len && kk < kb { x[v.at + i * v.stride + kk * v.k_stride].to_bits() as u32 } else { 0 }
@@ -371,35 +390,15 @@ fn pack_pairs<const W: usize>(v: &super::View, x: &[bf16], kb: usize, panels: &m
             for (pp, dst) in panel.chunks_exact_mut(W).enumerate() {
                 let k0 = 2 * pp;
                 if q < full && k0 + 1 < kb {
-                    let r0 = &x[v.at + q * W + k0 * v.k_stride..][..W];
-                    let r1 = &x[v.at + q * W + (k0 + 1) * v.k_stride..][..W];
-                    for ((d, h), l) in dst.iter_mut().zip(r0).zip(r1) {
-                        put(d, h.to_bits() as u32, l.to_bits() as u32);
+                    let r0: &[bf16; W] = x[v.at + q * W + k0 * v.k_stride..][..W].try_into().expect("W values");
+                    let r1: &[bf16; W] = x[v.at + q * W + (k0 + 1) * v.k_stride..][..W].try_into().expect("W values");
+                    for w in 0..W {
+                        put(&mut dst[w], r0[w].to_bits() as u32, r1[w].to_bits() as u32);
                     }
                 } else {
                     for (w, d) in dst.iter_mut().enumerate() {
                         put(d, bits(q * W + w, k0), bits(q * W + w, k0 + 1));
                     }
-                }
-            }
-        }
-    } else if v.k_stride == 1 {
-        // Each line runs along k: a pair is one u32 of it, its halves swapped.
-        for (q, panel) in panels.chunks_exact_mut(W * kp).enumerate() {
-            for w in 0..W {
-                let i = q * W + w;
-                if i >= v.len {
-                    (0..kp).for_each(|pp| _ = panel[pp * W + w].write(0.0));
-                    continue;
-                }
-                let line = &x[v.at + i * v.stride..][..kb];
-                let pairs = line.chunks_exact(2);
-                let last = pairs.remainder().first().map(|&h| h.to_bits() as u32);
-                for (pp, pair) in pairs.enumerate() {
-                    put(&mut panel[pp * W + w], pair[0].to_bits() as u32, pair[1].to_bits() as u32);
-                }
-                if let Some(h) = last {
-                    put(&mut panel[(kp - 1) * W + w], h, 0);
                 }
             }
         }
@@ -411,6 +410,71 @@ fn pack_pairs<const W: usize>(v: &super::View, x: &[bf16], kb: usize, panels: &m
                 }
             }
         }
+    }
+}
+
+/// [`pack_pairs`] for lines along k (`k_stride` 1: a row-major `a`, or `b`
+/// as wᵀ): each pair is one 32-bit word of its line, its halves swapped,
+/// and eight lines by eight pairs are transposed in registers
+/// ([`super::super::common::transpose8`], moves only: the bits are kept),
+/// as the f32 packing does with eight values. The edge panel, a last pair
+/// short of eight and an odd step go one pair at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn pair_lines_avx2<const W: usize>(v: &super::View, x: &[half::bf16], kb: usize, panels: &mut [MaybeUninit<f32>]) {
+    use std::arch::x86_64::*;
+    const { assert!(W == MR || W.is_multiple_of(8), "a panel of six lines or of groups of eight") };
+    let (kp, whole) = (kb.div_ceil(2), kb / 2); // pairs, and those without an odd step's padding
+    let p8 = whole / 8 * 8;
+    let full = v.len / W; // panels without an edge
+    let word =
+        |line: &[half::bf16], pp: usize| (line[2 * pp].to_bits() as u32) << 16 | line[2 * pp + 1].to_bits() as u32;
+    for (q, panel) in panels.chunks_exact_mut(W * kp).enumerate() {
+        if q >= full {
+            break; // the edge: below
+        }
+        let lines: [&[half::bf16]; W] = std::array::from_fn(|w| &x[v.at + (q * W + w) * v.stride..][..kb]);
+        let dst = panel.as_mut_ptr().cast::<f32>();
+        // SAFETY: each load reads 32 bytes, pairs pp..pp + 8 of a line, with 2(pp + 8) ≤ kb: inside
+        // it; each store writes dst[(pp + j)·W + g ..][..n], (pp + j) < kp and g + n ≤ W: inside the panel.
+        unsafe {
+            for g in (0..W).step_by(8) {
+                let n = (W - g).min(8); // lines in this group: 8, or the 6 of an MR panel
+                for pp in (0..p8).step_by(8) {
+                    let mut r = [_mm256_setzero_ps(); 8];
+                    for (ri, line) in r.iter_mut().zip(&lines[g..g + n]) {
+                        let w = _mm256_loadu_si256(line.as_ptr().add(2 * pp).cast());
+                        // (low = step 2p, high = 2p + 1) in memory → (high = 2p, low = 2p + 1)
+                        *ri = _mm256_castsi256_ps(_mm256_or_si256(
+                            _mm256_slli_epi32::<16>(w),
+                            _mm256_srli_epi32::<16>(w),
+                        ));
+                    }
+                    for (j, t) in super::super::common::transpose8(r).into_iter().enumerate() {
+                        let d = dst.add((pp + j) * W + g);
+                        if n == 8 {
+                            _mm256_storeu_ps(d, t);
+                        } else {
+                            _mm_storeu_ps(d, _mm256_castps256_ps128(t));
+                            _mm_storel_epi64(d.add(4).cast(), _mm_castps_si128(_mm256_extractf128_ps::<1>(t)));
+                        }
+                    }
+                }
+            }
+            for pp in p8..kp {
+                for (w, line) in lines.iter().enumerate() {
+                    let bits = match 2 * pp + 1 < kb {
+                        true => word(line, pp),
+                        false => (line[2 * pp].to_bits() as u32) << 16, // the odd step, beside 0
+                    };
+                    dst.add(pp * W + w).write(f32::from_bits(bits));
+                }
+            }
+        }
+    }
+    if full * W < v.len {
+        let edge = super::View { at: v.at + full * W * v.stride, len: v.len - full * W, ..*v };
+        pack_pairs_each::<W>(&edge, x, kb, &mut panels[full * W * kp..]);
     }
 }
 
