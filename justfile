@@ -97,7 +97,7 @@ zero-memory: build
 
 # Gradients reduced in bf16 against fp32 (--reduce-dtype): lesson 04's ZeRO-3 with 16 micro-batches per step (the
 # global batch fixed) at 2, 4, 8 and 16 ranks, STEPS steps each: digests, final losses, the weights' largest
-# difference, the reduce-scatter's bytes, and the loss curves. `BOOK=1 just reduce-dtype` copies them into the book.
+# difference, the reduce-scatter's bytes, and the loss curves (the book's listing: `just book-outputs`).
 reduce-dtype STEPS="60": build
     #!/usr/bin/env bash
     set -euo pipefail
@@ -109,11 +109,6 @@ reduce-dtype STEPS="60": build
         done
     done
     target/release/reduce-numerics "$out" | tee "$out/reduce-dtype.txt"
-    if [ "${BOOK:-}" = 1 ]; then
-        cp "$out/reduce-dtype.txt" book/src/generated/04-reduce-dtype.txt
-        cp "$out/reduce_dtype.svg" book/src/generated/04-reduce-dtype.svg
-        echo "copied into book/src/generated/"
-    fi
 
 # Checkpoint on FROM ranks, resume on TO ranks: the same weights, bit for bit, as one uninterrupted run.
 reshard NN="03" FROM="2" TO="4": build

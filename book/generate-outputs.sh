@@ -129,14 +129,29 @@ just fits 2>/dev/null > "$gen/04-fits.txt"
 echo "· 04-zero-memory"
 just zero-memory 2>/dev/null | grep -v '^wrote' > "$gen/04-zero-memory.txt"
 cp out/zero-memory/zero_memory.svg "$gen/04-zero-memory.svg"
+echo "· 04-reduce-dtype"
+just reduce-dtype 2>/dev/null | grep -v '^wrote' > "$gen/04-reduce-dtype.txt"
+cp out/reduce-dtype/reduce_dtype.svg "$gen/04-reduce-dtype.svg"
 if [ "$timings" != 0 ]; then
-# What bf16 costs on a CPU: candle widens bf16 matmuls to f32.
+# What bf16 costs or buys on a CPU: lesson 01 and ZeRO-3 in fp32 and bf16, as this CPU runs them and as a
+# CPU without AVX512_BF16 would (FSDP_BF16=emulated: AVX-512 without BF16; FSDP_MATMUL=avx2: AVX2 alone).
 {
-    for cmd in "step01-data-parallel --precision fp32" "step01-data-parallel --precision bf16" \
-               "step04-optimizer-state-shard --stage 3 --precision fp32" "step04-optimizer-state-shard --stage 3 --precision bf16"; do
-        echo "· ${cmd}  (2 ranks, 20 steps)"
-        # shellcheck disable=SC2086
-        mpirun -q --oversubscribe -n 2 target/release/$cmd --steps 20 --log-every 100 --out out/book/04-cost | grep -E "^measured [0-9,]+ tok/s" | sed 's/^/    /'
+    echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), 2 ranks, one compute thread each; median step"
+    paths=("")
+    grep -qw avx512_bf16 /proc/cpuinfo && paths+=("FSDP_BF16=emulated")
+    grep -qw avx512f /proc/cpuinfo && paths+=("FSDP_MATMUL=avx2")
+    for env in "${paths[@]}"; do
+        echo "${env:-as this CPU runs them}:"
+        for run in "lesson 01|tiny|20|step01-data-parallel" "ZeRO-3|tiny|20|step04-optimizer-state-shard --stage 3" \
+                   "ZeRO-3|small|8|step04-optimizer-state-shard --stage 3"; do
+            IFS='|' read -r label preset steps cmd <<< "$run"
+            for p in fp32 bf16; do
+                # shellcheck disable=SC2086
+                t=$(env $env mpirun -q --oversubscribe -n 2 -x FSDP_BF16 -x FSDP_MATMUL target/release/$cmd --preset "$preset" \
+                    --precision $p --steps "$steps" --log-every 100 --out out/book/04-cost | grep -oE "median step [0-9.]+ ms")
+                echo "    $label, $preset, $p: $t"
+            done
+        done
     done
 } > "$gen/04-precision-cost.txt"
 echo "· 04-precision-cost"

@@ -122,7 +122,8 @@ echo "== 2. every command in the book"
 # take four minutes).
 declare -A ran=() mark=()   # why a command is not run again, and ✓ or ✗
 if [ $generated = 1 ]; then
-    for c in "just zero-memory:04-zero-memory.txt" "just fits:04-fits.txt" "just reshard 03 2 4:appendix-reshard.txt"; do
+    for c in "just zero-memory:04-zero-memory.txt" "just fits:04-fits.txt" "just reshard 03 2 4:appendix-reshard.txt" \
+             "just reduce-dtype:04-reduce-dtype.txt"; do
         ran["${c%%:*}"]="ran above for ${c#*:}" mark["${c%%:*}"]=✓
     done
 fi

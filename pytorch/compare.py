@@ -229,8 +229,9 @@ def main():
     # … and up to 20 steps of training: lesson 01 against DDP; in bf16, ZeRO-3 against FSDP2 (every preset).
     first = next(r for r in results if r["ranks"] == n0 and r["torch"] == "DDP")
     train_diff, k = first["max_loss_diff_20"], min(20, steps)
-    bf16_pairs = [r for r in results if r["precision"] == "bf16" and r["torch"].startswith("FSDP2 per block, Mixed")]
-    bf16_diff = max(r["max_loss_diff_20"] for r in bf16_pairs)
+    bf16_pairs = [r for r in results if r["precision"] == "bf16" and "activation checkpointing" not in r["torch"]]
+    first5 = max(r["max_loss_diff_5"] for r in bf16_pairs)
+    last10 = max(r["last10_mean_diff"] for r in bf16_pairs)
     checks = [
         (f"step 1's mean gradient, every fp32 PyTorch run ({len(f32_norms)}) against the project's model in one process: "
          f"largest relative difference of its norm {worst_norm[0]:.1e} ({worst_norm[2]} at {worst_norm[1]} rank(s); bound 1e-4)",
@@ -243,9 +244,10 @@ def main():
          f"PyTorch {pt['mean_loss']:.7f}, |difference| {eval_diff:.1e} (bound 1e-5)", eval_diff < 1e-5),
         (f"{k} steps from the same start on the same batches, {n0} rank(s): largest |loss difference| lesson 01 vs DDP "
          f"{train_diff:.1e} (bound 1e-4)", train_diff < 1e-4),
-        (f"{k} steps in bf16, every world size and preset: largest |loss difference| ZeRO-3 vs FSDP2's mixed precision "
-         f"{bf16_diff:.1e} (bound 3e-2: the two round in other places, a bf16 ulp near a loss of 3 is 1.6e-2)",
-         bf16_diff < 3e-2),
+        (f"in bf16, every world size and preset, ZeRO-1 and ZeRO-3 against PyTorch's: largest |loss difference| over the "
+         f"first 5 steps {first5:.1e} (bound 5e-3, a third of a bf16 ulp near a loss of 3: the two round in other places, "
+         f"and their trajectories part later, as rounding differences compound); largest difference of the last 10 "
+         f"steps' mean loss {last10:.1e} (bound 5e-2: they learn alike)", first5 < 5e-3 and last10 < 5e-2),
     ]
     md = render(machine, torch_version, a, results, checks)
     with open(f"{a.out}/compare.md", "w") as f:
@@ -270,6 +272,8 @@ def pair(n, tokens, warmup, label, ours, tlabel, theirs):
     m_theirs = statistics.median(median_ms(r, warmup) for r in theirs)
     rss = lambda runs: max(max(r["peak_rss_bytes"]) for r in runs) / 2**20  # noqa: E731
     diffs = [abs(x - y) for x, y in zip(ours[0]["losses"], theirs[0]["losses"])] or [float("nan")]
+    # The mean of each side's last ten losses: where two roundings have let the trajectories part, whether they learn alike.
+    tail = lambda r: statistics.mean(r["losses"][-10:]) if r["losses"] else float("nan")  # noqa: E731
     return {
         "ranks": n, "ours": label, "torch": tlabel,
         "ours_ms": m_ours, "torch_ms": m_theirs,
@@ -277,7 +281,8 @@ def pair(n, tokens, warmup, label, ours, tlabel, theirs):
         "ours_tokens_per_s": tokens / m_ours * 1e3, "torch_tokens_per_s": tokens / m_theirs * 1e3,
         "ratio": m_theirs / m_ours,
         "ours_rss_mib": rss(ours), "torch_rss_mib": rss(theirs),
-        "max_loss_diff": max(diffs), "max_loss_diff_20": max(diffs[:20]),
+        "max_loss_diff": max(diffs), "max_loss_diff_20": max(diffs[:20]), "max_loss_diff_5": max(diffs[:5]),
+        "last10_mean_diff": abs(tail(ours[0]) - tail(theirs[0])),
     }
 
 
