@@ -109,7 +109,11 @@ impl Gpt {
     pub fn add_positions(&self, tok: &Tensor, wpe: &Tensor, (b, t): (usize, usize)) -> Result<Tensor> {
         let tok = tok.reshape((b, t, self.cfg.n_embd))?; // (B, T, C)
         let pos = wpe.narrow(0, 0, t)?; // (T, C)
-        Ok(tok.broadcast_add(&pos)?)
+        // candle's broadcast_add is broadcast_as + add (the same backward); the add is the
+        // model's own, as in every block: candle's bf16 add rounds with VCVTNEPS2BF16 where the
+        // CPU has AVX512_BF16 (denormals flushed) and in software elsewhere.
+        let pos = pos.broadcast_as(tok.shape())?.contiguous()?; // (B, T, C)
+        Ok(kernels::add(&tok, &pos)?)
     }
 
     // ANCHOR: embedding_backward

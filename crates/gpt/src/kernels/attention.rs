@@ -125,12 +125,20 @@ fn merge<T: Copy>(d: Dims, from: &[T], into: &mut [T], width: usize, base: usize
 }
 
 /// [`merge`], each value passed through `f` on its way (f32 → bf16).
-fn merge_with<A: Copy, B: Copy>(d: Dims, from: &[A], into: &mut [B], width: usize, base: usize, f: impl Fn(A) -> B) {
+/// A head's row at a time at the SIMD width ([`zip_update`]).
+fn merge_with<A: Copy, B: Copy>(
+    d: Dims,
+    from: &[A],
+    into: &mut [B],
+    width: usize,
+    base: usize,
+    f: impl Fn(A) -> B + Copy,
+) {
     for (item, head) in from.chunks_exact(d.t * d.hs).enumerate() {
         let (b, h) = (item / d.nh, item % d.nh);
         for (t, row) in head.chunks_exact(d.hs).enumerate() {
             let at = b * d.t * width + t * width + base + h * d.hs;
-            into[at..at + d.hs].iter_mut().zip(row).for_each(|(o, &v)| *o = f(v));
+            zip_update(&mut into[at..at + d.hs], row, |o, v| *o = f(v));
         }
     }
 }
