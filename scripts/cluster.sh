@@ -24,7 +24,13 @@
 #
 # Within a node the ranks talk over shared memory; between nodes over TCP on
 # eth0. The addresses (10.77.0.0/24) exist only on the veth pairs inside
-# these namespaces. Needs root (network namespaces); says so in one line.
+# these namespaces. As root it makes them with `ip netns`; as any other user
+# it first enters namespaces of its own — a user namespace that maps it to
+# root there, with a network and a mount namespace it owns (`unshare --user
+# --map-root-user --net --mount`, which Debian 12's kernel allows a normal
+# user) — and makes the nodes inside them, where everything it made goes
+# when the command ends. Where the kernel allows neither, it says so in one
+# line and exits with 77 (the tests' "skipped").
 # FSDP_CLUSTER_DIR (default out/cluster) holds the hostfile and the state;
 # FSDP_CLUSTER_ID names this cluster's namespaces (default: this shell's PID),
 # so tests can run several at once: 1 to 7 letters or digits, since it goes
@@ -49,20 +55,34 @@ if [ "$rate" != none ] && ! [[ "$rate" =~ ^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit|
     echo "error: --rate $rate is not a rate: write it as tc does, e.g. 500mbit, 1gbit or 250mbit (or none)" >&2
     exit 2
 fi
-if [ "$(id -u)" -ne 0 ]; then
-    echo "error: the simulated cluster needs root (it makes network namespaces): run it as root, e.g. with sudo" >&2
-    exit 2
-fi
-for c in ip tc taskset sysctl mpirun; do
-    command -v $c >/dev/null || { echo "error: $c is missing: install iproute2, util-linux, procps and Open MPI (just setup)" >&2; exit 2; }
-done
-
-here=$(cd "$(dirname "$0")" && pwd)
 id=${FSDP_CLUSTER_ID:-$$}
 [[ "$id" =~ ^[A-Za-z0-9]{1,7}$ ]] || {
     echo "error: FSDP_CLUSTER_ID=$id: use 1 to 7 letters or digits (it goes into interface names, at most 15 characters)" >&2
     exit 2
 }
+# Not root: the same cluster inside namespaces of our own (a user namespace maps us to root there, with
+# the rights over the network and mount namespaces it owns); the script runs again in them.
+rootless=${FSDP_CLUSTER_ROOTLESS:-}
+if [ "$(id -u)" -ne 0 ] && [ -z "$rootless" ]; then
+    if ! unshare --user --map-root-user --net --mount true 2>/dev/null; then
+        echo "error: the simulated cluster needs root or unprivileged user namespaces, which this kernel does not allow (sysctl kernel.unprivileged_userns_clone=1, or user.max_user_namespaces above 0): run it as root, e.g. with sudo" >&2
+        exit 77
+    fi
+    exec env FSDP_CLUSTER_ROOTLESS=1 FSDP_CLUSTER_ID="$id" unshare --user --map-root-user --net --mount --propagation private \
+        bash "$0" --nodes "$nodes" --rate "$rate" ${slots:+--slots "$slots"} -- "$@"
+fi
+# tc and sysctl live in /usr/sbin, which a normal user's PATH leaves out on Debian.
+export PATH="$PATH:/usr/sbin:/sbin"
+for c in ip tc taskset sysctl mpirun; do
+    command -v $c >/dev/null || { echo "error: $c is missing: install iproute2, util-linux, procps and Open MPI (just setup)" >&2; exit 2; }
+done
+
+here=$(cd "$(dirname "$0")" && pwd)
+if [ -n "$rootless" ]; then
+    # `ip netns` keeps its namespaces under /run/netns, which a normal user cannot write: a /run of our
+    # own, in our mount namespace only (gone with it).
+    mount -t tmpfs fsdp-cluster /run
+fi
 dir=${FSDP_CLUSTER_DIR:-out/cluster}
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
@@ -80,7 +100,7 @@ cleanup() {
     fi
     for i in $(seq 1 "$nodes"); do
         ip netns del "$(ns node$i)" 2>/dev/null || true
-        rm -rf "/etc/netns/$(ns node$i)"
+        [ -n "$rootless" ] || rm -rf "/etc/netns/$(ns node$i)"
     done
     ip netns del "$switch" 2>/dev/null || true
     rm -f "$dir/nodes" "$dir/shape.sh"
@@ -133,13 +153,25 @@ for i in $(seq 1 "$nodes"); do
     hosts+=$'\n'"10.77.0.$i node$i"
     echo "node$i slots=$slots" >> "$dir/hosts"
 done
+if [ -n "$rootless" ]; then
+    # The names, for every node at once: our /etc/hosts, in our mount namespace only (/etc/netns, where
+    # `ip netns exec` would look for one per node, is not ours to write).
+    printf '%s\n' "$hosts" > "$dir/etc-hosts"
+    mount --bind "$dir/etc-hosts" /etc/hosts
+    # Open MPI's session folders go under TMPDIR: one of ours (in /tmp, one that another user — or
+    # root, to whom we are mapped here — made would not be writable).
+    mkdir -p "$dir/tmp"
+    export TMPDIR="$dir/tmp"
+fi
 for i in $(seq 1 "$nodes"); do
     n=$(ns node$i)
     ip netns add "$n"
-    # Names resolve inside the node only: `ip netns exec` mounts /etc/netns/<name>/hosts over /etc/hosts.
-    mkdir -p "/etc/netns/$n"
-    printf '%s\n' "$hosts" > "/etc/netns/$n/hosts"
-    echo "node$i" > "/etc/netns/$n/hostname"
+    if [ -z "$rootless" ]; then
+        # Names resolve inside the node only: `ip netns exec` mounts /etc/netns/<name>/hosts over /etc/hosts.
+        mkdir -p "/etc/netns/$n"
+        printf '%s\n' "$hosts" > "/etc/netns/$n/hosts"
+        echo "node$i" > "/etc/netns/$n/hostname"
+    fi
     ip link add "fsdp$id-v$i" type veth peer name "fsdp$id-p$i"
     ip link set "fsdp$id-v$i" netns "$n"
     ip link set "fsdp$id-p$i" netns "$switch"

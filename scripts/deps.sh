@@ -2,7 +2,8 @@
 # What this machine lacks to build and run the project, as Debian packages.
 # The one probe `just setup`, `just setup-browser` and `.ci/run` share.
 #
-#   bash scripts/deps.sh              print the missing packages, one a line (nothing: all present)
+#   bash scripts/deps.sh              print the missing packages, one a line (nothing: all present;
+#                                     a missing C compiler also gets a note on stderr)
 #   bash scripts/deps.sh --browser    also what `just book-render` needs (chromium, python3)
 #   bash scripts/deps.sh --install    install the missing ones with apt-get
 #
@@ -42,13 +43,24 @@ has_libclang() {
     return 1
 }
 
+# A command in /usr/sbin or /sbin, which a normal user's PATH leaves out on Debian.
+has_sbin() { has "$1" || [ -x "$root/usr/sbin/$1" ] || [ -x "$root/sbin/$1" ]; }
+
 need=()
+# A C compiler as `cc`: Rust links with it, and the MPI bindings and `just` build C.
+if ! has cc; then
+    need+=(gcc)
+    [ $install -eq 1 ] || echo "note: no C compiler (cc): Rust cannot link without one; install gcc (Debian: sudo apt-get install gcc)" >&2
+fi
 # Open MPI's mpirun runs the lessons (ompi_info tells it from MPICH's, which
 # knows none of the --mca flags the project uses); mpicc (libopenmpi-dev) is
 # how mpi-sys finds MPI's headers.
 { has mpirun && has ompi_info && has mpicc; } || need+=(openmpi-bin libopenmpi-dev)
 has pkg-config || need+=(pkg-config)
 has_libclang || need+=(libclang-dev)
+# The simulated cluster (scripts/cluster.sh, which `just test` runs): ip and tc, sysctl.
+has_sbin ip && has_sbin tc || need+=(iproute2)
+has_sbin sysctl || need+=(procps)
 if [ $browser -eq 1 ]; then
     has chromium || has chromium-browser || need+=(chromium)
     has python3 || need+=(python3)
@@ -59,6 +71,10 @@ if [ $install -eq 0 ]; then
     exit 0
 fi
 [ ${#need[@]} -gt 0 ] || exit 0
+if ! has apt-get; then
+    echo "error: no apt-get (not a Debian-family system): install these Debian packages' counterparts yourself: ${need[*]}" >&2
+    exit 1
+fi
 sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
 echo "installing: ${need[*]}"
 $sudo apt-get update -qq

@@ -117,6 +117,9 @@ fn budget_below_the_model_size() {
             && e.contains(" live before training already exceeds the budget 1.00 MB (pass a larger --mem-budget"),
         "{e}"
     );
+    // A budget below 0.1 MB is said in bytes: "0.00 MB" would hide it.
+    let e = fails("step03-layerwise-shard", 2, &["--steps", "3", "--mem-budget", "1KB", "--no-plot"], "bad-budget-1kb");
+    assert!(e.contains(" live before training already exceeds the budget 1,000 bytes (pass a larger"), "{e}");
 }
 
 #[test]
@@ -135,7 +138,7 @@ fn unwritable_out_folder_and_data_that_is_a_folder() {
 #[test]
 fn a_setup_failure_on_another_rank_is_one_line() {
     let bin = binary("step02-whole-model-shard");
-    let good = root().join("target/test-out/rank1-good.txt");
+    let good = scratch().join("test-out/rank1-good.txt");
     std::fs::create_dir_all(good.parent().unwrap()).unwrap();
     std::fs::write(&good, "the quick brown fox jumps over the lazy dog. ".repeat(60)).unwrap();
     let out = out_dir("bad-rank1");

@@ -21,7 +21,7 @@ fn args<'a>(steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 
 /// A checkpoint folder for a test (not created: the lesson creates it).
 fn ckpt_dir(name: &str) -> PathBuf {
-    let d = root().join("target").join("test-out").join(format!("{name}-ckpt"));
+    let d = scratch().join("test-out").join(format!("{name}-ckpt"));
     let _ = std::fs::remove_dir_all(&d);
     d
 }
@@ -497,57 +497,46 @@ fn sigint_without_ckpt_ends_after_the_step_with_one_line_and_writes_nothing() {
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
 }
 
-/// A small tmpfs at `dir`, unmounted when dropped; None where mounting is not allowed.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: &Path, size: &str) -> Option<Self> {
-        std::fs::create_dir_all(dir).unwrap();
-        let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", s(dir)])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|st| st.success());
-        ok.then(|| Tmpfs(dir.to_path_buf()))
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-    }
-}
-
 #[test]
 fn a_save_that_fails_on_a_full_disk_frees_its_space_and_keeps_the_last_checkpoint() {
-    let dir = root().join("target/test-out/full-disk");
-    let Some(fs) = Tmpfs::mount(&dir, "12m") else {
-        assert!(unsafe { libc_geteuid() } != 0, "root can mount a tmpfs: this test must run");
-        eprintln!("skipped: mounting a tmpfs needs root");
+    const TEST: &str = "checkpoint::a_save_that_fails_on_a_full_disk_frees_its_space_and_keeps_the_last_checkpoint";
+    let Ok(unshare) = private_mounts() else {
+        skip(TEST, &namespaces().unwrap_err());
         return;
     };
-    // One checkpoint of the tiny model is 9.72 MB: the first fits in 12 MB, the second does not.
-    let ck = fs.0.join("ckpt");
-    let o = mpirun(
+    // A 12 MB disk: a tmpfs in a mount namespace of the job's own (so nothing outlives it), where
+    // one checkpoint of the tiny model (9.72 MB) fits and a second does not. After the job, the
+    // shell lists what the checkpoint folder holds, before the namespace and its tmpfs are gone.
+    let disk = out_dir("full-disk");
+    let ck = disk.join("ckpt");
+    let (job, _) = mpirun_command(
         "step01-data-parallel",
         2,
         &args("2", &["--ckpt", s(&ck), "--save-every", "1", "--keep", "2"]),
-        "full-disk",
-    )
-    .0;
+        "full-disk-run",
+    );
+    let script = r#"mount -t tmpfs -o size=12m tmpfs "$0" || exit 99
+"$@"; rc=$?
+echo "left: $(ls "$0/ckpt" | tr '\n' ' ')"
+echo "latest: $(cat "$0/ckpt/latest")"
+exit $rc"#;
+    let o = Command::new("unshare")
+        .args(unshare)
+        .args(["sh", "-c", script])
+        .arg(&disk)
+        .arg(job.get_program())
+        .args(job.get_args())
+        .envs(job.get_envs().filter_map(|(k, v)| Some((k, v?))))
+        .output()
+        .expect("unshare runs (util-linux)");
+    assert_ne!(o.status.code(), Some(99), "the tmpfs mounts: {}", String::from_utf8_lossy(&o.stderr));
     let (code, lines) = failure(&o);
     assert_eq!((code, lines.len()), (2, 1), "{lines:?}");
     assert!(lines[0].contains("No space left on device"), "{lines:?}");
-    let mut left: Vec<String> =
-        std::fs::read_dir(&ck).unwrap().filter_map(Result::ok).map(|e| e.file_name().into_string().unwrap()).collect();
-    left.sort();
-    assert_eq!(left, ["latest", "step-000001"], "the failed save's partial folder is gone");
-    assert_eq!(latest(&ck), "step-000001");
-}
-
-unsafe extern "C" {
-    #[link_name = "geteuid"]
-    fn libc_geteuid() -> u32;
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let said = |key: &str| stdout.lines().find_map(|l| l.strip_prefix(key)).unwrap_or_default().trim().to_string();
+    assert_eq!(said("left: "), "latest step-000001", "the failed save's partial folder is gone");
+    assert_eq!(said("latest: "), "step-000001");
 }
 
 #[test]
@@ -724,7 +713,7 @@ fn mismatched_checkpoints_are_refused_naming_the_flag() {
     );
     refused("step03-layerwise-shard", &ck, &["--seed", "7"], "mismatch-seed", "pass --seed 1337");
     refused("step03-layerwise-shard", &ck, &["--lr", "0.002"], "mismatch-lr", "pass --lr 0.001");
-    let text = root().join("target").join("test-out").join("mismatch-data.txt");
+    let text = scratch().join("test-out").join("mismatch-data.txt");
     std::fs::write(&text, "To be, or not to be, that is the question. ".repeat(40)).unwrap();
     refused(
         "step03-layerwise-shard",

@@ -1,6 +1,7 @@
 //! Across machines, on the simulated cluster (scripts/cluster.sh: network
 //! namespaces joined by veth, mpirun starting the far node's ranks through
-//! scripts/cluster-rsh.sh; needs root, as the overlap tests' cluster does):
+//! scripts/cluster-rsh.sh; as root, or as a normal user where the kernel
+//! allows user namespaces — else each test says so and counts as skipped):
 //! HSDP gives lesson 01's bits with a shard group per node, the bytes the
 //! lesson counts as crossing between nodes are the bytes the link's counter
 //! saw, and a job survives what fails between machines — a node that dies,
@@ -148,6 +149,9 @@ fn fresh(name: &str) -> (PathBuf, PathBuf) {
 /// it with a shard group per node).
 #[test]
 fn hsdp_across_two_nodes_equals_lesson_01_and_keeps_the_gathers_inside_a_node() {
+    if !namespaces_or_skip("cluster::hsdp_across_two_nodes_equals_lesson_01_and_keeps_the_gathers_inside_a_node") {
+        return;
+    }
     for (slots, shards) in [(2usize, &[2usize][..]), (4, &[2, 4][..])] {
         let n = 2 * slots;
         let (o, local) = mpirun("step01-data-parallel", n, FAST, &format!("cl-hsdp-dp-{n}"));
@@ -209,6 +213,9 @@ fn hsdp_across_two_nodes_equals_lesson_01_and_keeps_the_gathers_inside_a_node() 
 /// beside it); nothing is left running, and the last checkpoint resumes exactly.
 #[test]
 fn a_node_that_dies_mid_step_ends_the_job_with_one_line_naming_it() {
+    if !namespaces_or_skip("cluster::a_node_that_dies_mid_step_ends_the_job_with_one_line_naming_it") {
+        return;
+    }
     let (ck, out) = fresh("cl-node-dies");
     let o = on_cluster("nd", 1, &faulted("ip netns pids $NODE2 | xargs -r kill -9"), &ck, &out);
     let (rc, took, left) = ended(&o);
@@ -235,6 +242,9 @@ fn a_node_that_dies_mid_step_ends_the_job_with_one_line_naming_it() {
 /// resumes exactly.
 #[test]
 fn a_link_that_goes_down_mid_step_ends_the_job_within_the_heartbeat_timeout() {
+    if !namespaces_or_skip("cluster::a_link_that_goes_down_mid_step_ends_the_job_within_the_heartbeat_timeout") {
+        return;
+    }
     let (ck, out) = fresh("cl-link-down");
     let o = on_cluster("ld", 1, &faulted("ip -n $NODE2 link set eth0 down"), &ck, &out);
     let (rc, took, left) = ended(&o);
@@ -256,6 +266,9 @@ fn a_link_that_goes_down_mid_step_ends_the_job_within_the_heartbeat_timeout() {
 /// resumes on this machine at 4 ranks, bit for bit.
 #[test]
 fn sigterm_on_the_cluster_saves_and_resumes_on_one_machine_at_another_world_size() {
+    if !namespaces_or_skip("cluster::sigterm_on_the_cluster_saves_and_resumes_on_one_machine_at_another_world_size") {
+        return;
+    }
     let (ck, out) = fresh("cl-sigterm");
     let script = r#"
 mpirun -q --hostfile $FSDP_CLUSTER/hosts -n 2 -x RAYON_NUM_THREADS=1 $BIN/step03-layerwise-shard \
@@ -299,6 +312,9 @@ echo "left=$(pgrep -c -f -- "--out $OUT" || true)"
 /// acknowledgements); the test allows 2 %.
 #[test]
 fn the_bytes_counted_between_nodes_are_the_bytes_on_the_link() {
+    if !namespaces_or_skip("cluster::the_bytes_counted_between_nodes_are_the_bytes_on_the_link") {
+        return;
+    }
     let (_, out) = fresh("cl-link-bytes");
     let script = r#"
 tx() { cat /sys/class/net/eth0/statistics/tx_bytes; }

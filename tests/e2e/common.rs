@@ -27,9 +27,16 @@ pub fn binary(package: &str) -> PathBuf {
     p
 }
 
+/// Where the tests write: this checkout's `target/`, or `$FSDP_TEST_OUT` (CI
+/// runs the tests that make namespaces once more as a normal user, who may
+/// not write the checkout).
+pub fn scratch() -> PathBuf {
+    std::env::var_os("FSDP_TEST_OUT").map(PathBuf::from).unwrap_or_else(|| root().join("target"))
+}
+
 /// A fresh folder for one run's outputs.
 pub fn out_dir(name: &str) -> PathBuf {
-    let d = root().join("target").join("test-out").join(name);
+    let d = scratch().join("test-out").join(name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -64,7 +71,7 @@ pub fn mpirun_command(package: &str, ranks: usize, args: &[&str], name: &str) ->
     // Each job gets its own TMPDIR: Open MPI creates its session directory
     // there, and concurrent mpiruns sharing one race on creating it
     // ("ORTE_ERROR_LOG: Error in file orte/util/session_dir.c").
-    let tmp = root().join("target").join("test-tmp").join(name);
+    let tmp = scratch().join("test-tmp").join(name);
     std::fs::create_dir_all(&tmp).unwrap();
     let mut cmd = Command::new("mpirun");
     cmd.args(["-q", "--oversubscribe", "-n", &ranks.to_string()])
@@ -196,4 +203,69 @@ pub fn signal(pid: i32, sig: i32) -> bool {
 pub fn tally_ratios(r: &serde_json::Value) -> Vec<f64> {
     let expected = r["tally_expected_peak_bytes"].as_f64().unwrap();
     r["measured_peak_bytes"].as_array().unwrap().iter().map(|p| p.as_f64().unwrap() / expected).collect()
+}
+
+/// Whether this process runs as root.
+pub fn is_root() -> bool {
+    unsafe extern "C" {
+        fn geteuid() -> u32;
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { geteuid() == 0 }
+}
+
+/// Whether this user may make namespaces of its own — network and mount, as
+/// scripts/cluster.sh and the fake-CPU tests need: root may; any other user
+/// inside a user namespace that maps it to root there (`unshare --user
+/// --map-root-user`, which Debian 12's kernel allows a normal user). Why not,
+/// where it may not.
+pub fn namespaces() -> Result<(), String> {
+    if is_root() {
+        return Ok(());
+    }
+    let probe = ["--user", "--map-root-user", "--net", "--mount", "true"];
+    match Command::new("unshare").args(probe).output() {
+        Ok(o) if o.status.success() => Ok(()),
+        _ => Err("not root, and this kernel does not let a normal user make namespaces \
+                  (`unshare --user --map-root-user --net --mount true` failed: \
+                  kernel.unprivileged_userns_clone=0 or user.max_user_namespaces=0?)"
+            .into()),
+    }
+}
+
+/// The `unshare` arguments for a mount namespace of one's own (see [`namespaces`]).
+pub fn private_mounts() -> Result<Vec<&'static str>, String> {
+    namespaces()?;
+    Ok(if is_root() {
+        vec!["-m", "--propagation", "private"]
+    } else {
+        vec!["--user", "--map-root-user", "--mount", "--propagation", "private"]
+    })
+}
+
+/// Whether `test`, which needs namespaces of its own, can run here; if not, it is
+/// recorded as skipped ([`skip`]).
+pub fn namespaces_or_skip(test: &str) -> bool {
+    match namespaces() {
+        Ok(()) => true,
+        Err(why) => {
+            skip(test, &why);
+            false
+        }
+    }
+}
+
+/// Records that `test` was skipped and why: one line on stderr, and one file in
+/// `scratch()/test-skips/`, which `just test` lists and counts at its end. With
+/// `FSDP_TEST_NO_SKIP=1` (CI's run as a normal user) a skip fails the test instead:
+/// there, every test must run.
+pub fn skip(test: &str, why: &str) {
+    assert!(
+        std::env::var_os("FSDP_TEST_NO_SKIP").is_none(),
+        "{test} would be skipped (FSDP_TEST_NO_SKIP is set): {why}"
+    );
+    eprintln!("skipped: {test}: {why}");
+    let dir = scratch().join("test-skips");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(format!("{test}.txt")), format!("{test}: {why}\n")).unwrap();
 }

@@ -49,10 +49,7 @@ fn every_stage_equals_lesson_01_under_both_precisions() {
         }
     }
     // bf16 computes something else than fp32 (the test above is not vacuous).
-    assert_ne!(
-        digest(&root().join("target/test-out/l04-dp-fp32-2")),
-        digest(&root().join("target/test-out/l04-dp-bf16-2"))
-    );
+    assert_ne!(digest(&scratch().join("test-out/l04-dp-fp32-2")), digest(&scratch().join("test-out/l04-dp-bf16-2")));
 }
 
 /// The report of each stage at 4 ranks, and of stage 3 at 1–3 ranks: the

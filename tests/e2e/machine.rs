@@ -3,8 +3,10 @@
 //! on another CPU it rounds differently; the model multiplies with its own
 //! kernel (`fsdp_gpt::kernels::matmul`), whose order no CPU property changes.
 //!
-//! The proof fakes another CPU: in a private mount namespace (`unshare -m`,
-//! root), a copy of /sys/devices/system/cpu with other L1d and L2 sizes is
+//! The proof fakes another CPU: in a private mount namespace (`unshare -m`
+//! as root; as a normal user, inside a user namespace of its own, which
+//! Debian 12's kernel allows — where it does not, the tests say so and are
+//! counted as skipped), a copy of /sys/devices/system/cpu with other L1d and L2 sizes is
 //! bind-mounted over the real one. First the control — candle's own matmul
 //! *does* change its bits there, so the fake is seen — then lesson 01 at
 //! the small preset, whose contractions (384, 1536) are longer than one of
@@ -22,7 +24,7 @@ use crate::common::*;
 /// where the real caches leave it whole (but for the AVX2 tiles on an Intel
 /// core, which block by L1 already).
 fn fake_cpu_tree(name: &str) -> PathBuf {
-    let dst = root().join("target/test-out").join(name); // one per test: they run in parallel
+    let dst = scratch().join("test-out").join(name); // one per test: they run in parallel
     let _ = std::fs::remove_dir_all(&dst);
     copy_readable(Path::new("/sys/devices/system/cpu"), &dst);
     let real_l1 = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index0/size").unwrap_or_default();
@@ -58,13 +60,19 @@ fn copy_readable(from: &Path, to: &Path) {
 
 /// Runs `program args…` with the fake tree mounted over the real one.
 fn under_fake_cpu(fake: &Path, program: &Path, args: &[&str]) -> Output {
+    std::fs::create_dir_all(fake.with_extension("tmp")).unwrap();
     let script = "mount --bind \"$0\" /sys/devices/system/cpu && exec \"$@\"";
+    let unshare = private_mounts().expect("checked by the test (namespaces_or_skip)");
     let o = Command::new("unshare")
-        .args(["-m", "--propagation", "private", "sh", "-c", script])
+        .args(unshare)
+        .args(["sh", "-c", script])
         .arg(fake)
         .arg(program)
         .args(args)
-        .env("RAYON_NUM_THREADS", "1")
+        .envs(MPIRUN_ENV) // a normal user is root in its user namespace
+        // Open MPI's session folder: one of ours (as root in a user namespace, the real root's
+        // /tmp/ompi.<host>.0 is not writable).
+        .env("TMPDIR", fake.with_extension("tmp"))
         .output()
         .expect("unshare runs (util-linux)");
     assert!(o.status.success(), "under the fake CPU: {}", String::from_utf8_lossy(&o.stderr));
@@ -88,6 +96,9 @@ fn digests(o: &Output) -> (String, String) {
 
 #[test]
 fn another_cache_topology_moves_candles_matmul_but_not_ours() {
+    if !namespaces_or_skip("machine::another_cache_topology_moves_candles_matmul_but_not_ours") {
+        return;
+    }
     let fake = fake_cpu_tree("fake-cpu-matmul");
     let here = Command::new(example("matmul_bits")).env("RAYON_NUM_THREADS", "1").output().unwrap();
     let there = under_fake_cpu(&fake, &example("matmul_bits"), &[]);
@@ -106,6 +117,11 @@ fn another_cache_topology_moves_candles_matmul_but_not_ours() {
 
 #[test]
 fn the_small_preset_in_fp32_and_bf16_computes_the_pinned_bits_under_another_cache_topology() {
+    if !namespaces_or_skip(
+        "machine::the_small_preset_in_fp32_and_bf16_computes_the_pinned_bits_under_another_cache_topology",
+    ) {
+        return;
+    }
     let fake = fake_cpu_tree("fake-cpu-lessons");
     // The control, here too: gemm sees the fake cache sizes (else this proves nothing).
     let here = Command::new(example("matmul_bits")).env("RAYON_NUM_THREADS", "1").output().unwrap();

@@ -173,7 +173,7 @@ fn setting_up_holds_a_shard_not_the_model() {
     for (pkg, extra) in
         [("step03-layerwise-shard", &["--no-plot"][..]), ("step04-optimizer-state-shard", &["--stage", "3"])]
     {
-        let ckpt = root().join("target/test-out").join(format!("setup-{pkg}-ckpt"));
+        let ckpt = scratch().join("test-out").join(format!("setup-{pkg}-ckpt"));
         let _ = std::fs::remove_dir_all(&ckpt);
         let ck = ckpt.to_str().unwrap();
         let mut first = vec!["--steps", "2", "--ckpt", ck];

@@ -310,7 +310,20 @@ fn bad_overlap_flags_get_one_line() {
     assert!(line.contains("--overlap-comm"), "{line}");
     let line = fails("step04-optimizer-state-shard", 2, &["--stage", "3", "--overlap-comm"], "ov-bad-overlap-3");
     assert!(line.contains("--prefetch"), "{line}");
-    // How far --prefetch reaches: with it, and one unit or more.
+    // How far --prefetch reaches: with it, one unit or more, and within the step's schedule (the tiny
+    // preset's 4 blocks: 11 entries, 10 ahead of the first; 2 blocks a unit: 7 entries).
+    let line = fails("step03-layerwise-shard", 2, &["--prefetch", "--prefetch-depth", "99"], "ov-bad-depth-99");
+    assert!(line.contains("--prefetch-depth 99 reaches past") && line.contains("pass 1 to 10"), "{line}");
+    let args = ["--prefetch", "--prefetch-depth", "7", "--blocks-per-unit", "2"];
+    let line = fails("step03-layerwise-shard", 2, &args, "ov-bad-depth-7");
+    assert!(line.contains("its 7 entries") && line.contains("pass 1 to 6"), "{line}");
+    let line = fails(
+        "step04-optimizer-state-shard",
+        2,
+        &["--stage", "3", "--prefetch", "--prefetch-depth", "11"],
+        "ov-bad-depth-04",
+    );
+    assert!(line.contains("--prefetch-depth 11 reaches past") && line.contains("pass 1 to 10"), "{line}");
     let line = fails("step03-layerwise-shard", 2, &["--prefetch-depth", "2"], "ov-bad-depth-alone");
     assert!(line.contains("--prefetch-depth 2") && line.contains("add --prefetch"), "{line}");
     let line = fails("step03-layerwise-shard", 2, &["--prefetch", "--prefetch-depth", "0"], "ov-bad-depth-0");
@@ -349,10 +362,13 @@ fn bad_overlap_flags_get_one_line() {
 /// The simulated cluster: two network namespaces joined by a shaped veth
 /// link, mpirun starting the far node's ranks through scripts/cluster-rsh.sh.
 /// Lesson 03 over it — 2 nodes × 1 rank, and 2 × 2 — computes the digest it
-/// computes over shared memory, and bytes crossed the link. Needs root, as
-/// the fake-CPU tests do.
+/// computes over shared memory, and bytes crossed the link. Needs namespaces
+/// of its own, as the fake-CPU tests do (root, or a user namespace).
 #[test]
 fn lesson_03_on_the_simulated_cluster_gives_the_shared_memory_digest() {
+    if !namespaces_or_skip("overlap::lesson_03_on_the_simulated_cluster_gives_the_shared_memory_digest") {
+        return;
+    }
     for (slots, ranks) in [(1, 2), (2, 4)] {
         let name = format!("ov-cluster-{slots}");
         let (o, local) = mpirun("step03-layerwise-shard", ranks, &[FAST, &["--no-plot"]].concat(), &name);

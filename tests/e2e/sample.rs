@@ -35,7 +35,7 @@ fn refused(args: &[&str], says: &str) {
 
 #[test]
 fn the_same_seed_gives_the_same_text_from_weights_and_from_a_checkpoint() {
-    let ck = root().join("target/test-out/sample-ckpt");
+    let ck = scratch().join("test-out/sample-ckpt");
     let _ = std::fs::remove_dir_all(&ck);
     let args: Vec<&str> = FAST.iter().copied().chain(["--ckpt", ck.to_str().unwrap()]).collect();
     let (o, out) = mpirun("step01-data-parallel", 2, &args, "sample-train");

@@ -48,7 +48,8 @@ impl FakeMachine {
     }
 }
 
-const ALL_COMMANDS: &[&str] = &["mpirun", "ompi_info", "mpicc", "pkg-config", "chromium", "python3"];
+const ALL_COMMANDS: &[&str] =
+    &["cc", "mpirun", "ompi_info", "mpicc", "pkg-config", "ip", "tc", "sysctl", "chromium", "python3"];
 
 #[test]
 fn libclang_cpp_alone_is_not_libclang() {
@@ -86,6 +87,10 @@ fn each_missing_command_names_its_package() {
         ("mpicc", &["openmpi-bin", "libopenmpi-dev"]),
         ("ompi_info", &["openmpi-bin", "libopenmpi-dev"]), // an mpirun that is not Open MPI's
         ("pkg-config", &["pkg-config"]),
+        ("cc", &["gcc"]),
+        ("ip", &["iproute2"]),
+        ("tc", &["iproute2"]),
+        ("sysctl", &["procps"]),
         ("chromium", &["chromium"]),
         ("python3", &["python3"]),
     ] {
@@ -97,14 +102,45 @@ fn each_missing_command_names_its_package() {
     let m = FakeMachine::new(
         "chromium-browser",
         &lib,
-        &["mpirun", "ompi_info", "mpicc", "pkg-config", "chromium-browser", "python3"],
+        &["cc", "mpirun", "ompi_info", "mpicc", "pkg-config", "ip", "tc", "sysctl", "chromium-browser", "python3"],
     );
     assert_eq!(m.missing(true), Vec::<String>::new());
 }
 
 #[test]
+fn tc_and_sysctl_in_sbin_count_though_a_users_path_leaves_it_out() {
+    let commands: Vec<&str> = ALL_COMMANDS.iter().copied().filter(|c| !["tc", "sysctl"].contains(c)).collect();
+    let m = FakeMachine::new("sbin", &["/usr/lib/llvm-14/lib/libclang.so.1"], &commands);
+    for (dir, c) in [("usr/sbin", "tc"), ("sbin", "sysctl")] {
+        let p = m.root.join(dir).join(c);
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        fs::write(&p, "#!/bin/sh\n").unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    assert_eq!(m.missing(true), Vec::<String>::new());
+}
+
+#[test]
+fn a_missing_c_compiler_is_named_in_one_line() {
+    let commands: Vec<&str> = ALL_COMMANDS.iter().copied().filter(|c| *c != "cc").collect();
+    let m = FakeMachine::new("no-cc-note", &["/usr/lib/llvm-14/lib/libclang.so.1"], &commands);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/deps.sh");
+    let o = Command::new("/bin/bash")
+        .arg(script)
+        .env_clear()
+        .env("PATH", &m.bin)
+        .env("FSDP_DEPS_ROOT", &m.root)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("no C compiler (cc)") && err.contains("install gcc"), "{err}");
+}
+
+#[test]
 fn a_bare_machine_lacks_everything_and_the_browser_only_when_asked() {
     let m = FakeMachine::new("bare", &[], &[]);
-    assert_eq!(m.missing(false), ["openmpi-bin", "libopenmpi-dev", "pkg-config", "libclang-dev"]);
-    assert_eq!(m.missing(true), ["openmpi-bin", "libopenmpi-dev", "pkg-config", "libclang-dev", "chromium", "python3"]);
+    let base = ["gcc", "openmpi-bin", "libopenmpi-dev", "pkg-config", "libclang-dev", "iproute2", "procps"];
+    assert_eq!(m.missing(false), base);
+    assert_eq!(m.missing(true), [&base[..], &["chromium", "python3"]].concat());
 }

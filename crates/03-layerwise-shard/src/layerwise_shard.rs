@@ -199,9 +199,12 @@ pub fn describe_prefetch(depth: usize, asked: Prefetch) -> String {
 }
 
 /// The entries gathered ahead for `--prefetch` and `--prefetch-depth K`:
-/// none without prefetch, K when given, [`DEFAULT_PREFETCH_DEPTH`] else; K
-/// without `--prefetch`, or 0, is refused in one line.
-pub fn prefetch_depth(prefetch: bool, depth: Option<usize>) -> anyhow::Result<Prefetch> {
+/// none without prefetch, K when given, [`DEFAULT_PREFETCH_DEPTH`] else. K
+/// without `--prefetch`, 0, or K past the end of the step's schedule for
+/// `block_units` block units (where the first entry already has every other
+/// ahead of it) is refused in one line.
+pub fn prefetch_depth(prefetch: bool, depth: Option<usize>, block_units: usize) -> anyhow::Result<Prefetch> {
+    let most = schedule(block_units, HeadGrad::Keep).len() - 1; // ahead of the first entry
     match (prefetch, depth) {
         (false, None) => Ok(Prefetch { depth: 0, given: false }),
         (false, Some(k)) => anyhow::bail!("--prefetch-depth {k} sets how far --prefetch reaches: add --prefetch"),
@@ -210,6 +213,11 @@ pub fn prefetch_depth(prefetch: bool, depth: Option<usize>) -> anyhow::Result<Pr
                 "--prefetch-depth 0: pass 1 or more units ahead ({DEFAULT_PREFETCH_DEPTH} is --prefetch's default), or leave out --prefetch"
             )
         }
+        (true, Some(k)) if k > most => anyhow::bail!(
+            "--prefetch-depth {k} reaches past the step's schedule: its {} entries (the embedding, {block_units} block units \
+             forward and backward, the head, the embedding's backward) leave at most {most} ahead of any: pass 1 to {most}",
+            most + 1
+        ),
         (true, Some(k)) => Ok(Prefetch { depth: k, given: true }),
         (true, None) => Ok(Prefetch { depth: DEFAULT_PREFETCH_DEPTH, given: false }),
     }
@@ -474,13 +482,20 @@ mod tests {
     }
 
     #[test]
-    fn the_prefetch_depth_needs_prefetch_and_one_unit_or_more() {
-        let depth = |p, d| prefetch_depth(p, d).map(|p| (p.depth, p.given)).unwrap();
+    fn the_prefetch_depth_needs_prefetch_and_reaches_within_the_schedule() {
+        let depth = |p, d| prefetch_depth(p, d, 4).map(|p| (p.depth, p.given)).unwrap();
         assert_eq!(depth(false, None), (0, false));
         assert_eq!(depth(true, None), (DEFAULT_PREFETCH_DEPTH, false), "the default, which the budget may lower");
         assert_eq!(depth(true, Some(1)), (1, true));
         assert_eq!(depth(true, Some(2)), (2, true));
-        assert!(prefetch_depth(false, Some(2)).unwrap_err().to_string().contains("add --prefetch"));
-        assert!(prefetch_depth(true, Some(0)).unwrap_err().to_string().contains("pass 1 or more"));
+        assert!(prefetch_depth(false, Some(2), 4).unwrap_err().to_string().contains("add --prefetch"));
+        assert!(prefetch_depth(true, Some(0), 4).unwrap_err().to_string().contains("pass 1 or more"));
+        // 4 block units: E F1 F2 F3 F4 H B4 B3 B2 B1 EB, so 10 entries lie ahead of the first.
+        assert_eq!(depth(true, Some(10)), (10, true));
+        let past = prefetch_depth(true, Some(11), 4).unwrap_err().to_string();
+        assert!(
+            past.contains("--prefetch-depth 11") && past.contains("its 11 entries") && past.contains("pass 1 to 10"),
+            "{past}"
+        );
     }
 }

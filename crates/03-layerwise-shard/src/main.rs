@@ -107,7 +107,9 @@ fn main() -> ExitCode {
             },
         )?;
         hsdp::check(&s, args.hsdp)?;
-        let asked = step03_layerwise_shard::layerwise_shard::prefetch_depth(args.prefetch, args.prefetch_depth);
+        let block_units = layers.div_ceil(blocks_per_unit); // 1 to `layers` (checked above)
+        let asked =
+            step03_layerwise_shard::layerwise_shard::prefetch_depth(args.prefetch, args.prefetch_depth, block_units);
         let asked = fsdp_harness::edge::agree(world, asked)?;
         if args.prefetch {
             // FSDP2's streams: a communication thread of its own, started on every rank together.

@@ -115,7 +115,8 @@ fn main() -> ExitCode {
             },
         )?;
         hsdp::check(&s, args.hsdp)?;
-        let asked = fsdp_harness::edge::agree(world, prefetch_depth(args.prefetch, args.prefetch_depth))?;
+        let asked =
+            fsdp_harness::edge::agree(world, prefetch_depth(args.prefetch, args.prefetch_depth, s.cfg.n_layer))?;
         if args.prefetch || args.overlap_comm {
             // FSDP2's streams, DeepSpeed's overlap_comm: a communication thread of its own, on every rank.
             s.start_stream()?;

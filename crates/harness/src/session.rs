@@ -587,7 +587,7 @@ impl<'w> Session<'w> {
         if self.world.is_root() {
             let budget = self.args.mem_budget.unwrap_or(0);
             let fix = "pass a larger --mem-budget, more ranks, or a higher ZeRO stage";
-            let b = crate::table::mb(budget);
+            let b = crate::table::mb_or_bytes(budget);
             let (needed, live) = (crate::table::mb(r[1]), crate::table::mb(r[2]));
             let first = self.first_step;
             if r[3] == 1 && r[2] > budget {

@@ -86,6 +86,13 @@ pub fn mb(bytes: u64) -> String {
     format!("{:.2} MB", bytes as f64 / 1e6)
 }
 
+/// Bytes as [`mb`] writes them, or below 0.1 MB in bytes, where two decimals
+/// of a megabyte would round a size away (`--mem-budget 1KB`: "1,000 bytes",
+/// not "0.00 MB").
+pub fn mb_or_bytes(bytes: u64) -> String {
+    if bytes < 100_000 { format!("{} bytes", thousands(bytes)) } else { mb(bytes) }
+}
+
 /// A measured size (heap, RSS), to one decimal: it moves by a few tens of KB
 /// from run to run, so a learner's run shows the figure the book shows.
 pub fn mb_measured(bytes: u64) -> String {

@@ -319,14 +319,14 @@ impl Blocks {
 
     /// BLIS's rule, which the AVX2 tiles take on an Intel core: a `kc`-deep
     /// panel of `b` in half of L1, `mc` rows of `a` (`kc` deep) in a quarter
-    /// of L2. Measured on one Intel Xeon (model 167: 48 KiB L1d, 2 MiB L2)
-    /// through the AVX2 path, against [`Blocks::from_caches`]' blocks: the
-    /// small preset's products and 1024³ 4–10% faster (kc 384, mc 96–384;
-    /// mc 768 lost it again); other Intel cores (client, hybrid) take it
-    /// unmeasured. Its AVX-512 tiles, twice as wide, gained nothing from it,
-    /// and on a Zen 3 L1-sized k-blocks lost 4–12% at the large outputs (see
-    /// `from_caches`): those keep that rule. Never rows first (the AVX2 tiles
-    /// take six rows).
+    /// of L2. Measured on one Intel Xeon (AVX-512; a 48 KiB L1d and a 2 MiB
+    /// L2, as Linux reported them) through the AVX2 path, against
+    /// [`Blocks::from_caches`]' blocks: the small preset's products and 1024³
+    /// 4–10% faster (kc 384, mc 96–384; mc 768 lost it again); other Intel
+    /// cores (client, hybrid) take it unmeasured. Its AVX-512 tiles, twice as
+    /// wide, gained nothing from it, and on a Zen 3 L1-sized k-blocks lost
+    /// 4–12% at the large outputs (see `from_caches`): those keep that rule.
+    /// Never rows first (the AVX2 tiles take six rows).
     pub fn l1_resident(l1: usize, l2: usize, l3: usize) -> Blocks {
         let kc = (l1 / 2 / (4 * NR)).clamp(64, 1 << 14);
         let mc = ((l2 / 4 / (4 * kc)) / MR * MR).max(MR);
@@ -531,11 +531,11 @@ fn products<T: Copy + 'static>(
     // sweep it across every column panel, instead of all of a into `ap` (as much memory as a,
     // written to L2 and read back for every column panel). At M = K = 512, N = 128 that packing
     // was a sixth of the product's time, and rows first made those products 10-11% faster on
-    // AVX-512 (an Intel Xeon, model 167). Only where the tiles take twelve rows (AVX-512: with six,
+    // AVX-512 (an Intel Xeon, 2 MiB L2). Only where the tiles take twelve rows (AVX-512: with six,
     // b is swept twice as often, and the AVX2 path's tiny products ran 3-8% slower) and a's lines
     // run along k (x, g; a transposed gᵀ, packed two panels at a time, lost 2-3%).
     // Where all of b outgrows that, rows first still runs, in k-blocks shallow enough that one of
-    // all of b fits (down to 192 steps): on an Intel Xeon (model 167), AVX-512, 1024³ (k-blocks of
+    // all of b fits (down to 192 steps): on an Intel Xeon (2 MiB L2), AVX-512, 1024³ (k-blocks of
     // 256) ran 5% faster, the small preset's K = 1152 and 1536 into N = 384 (576, 512) 2-3%, and
     // 1024 × 384 × 1152 (192) 1-5% (two sets of runs); 1024 × 384 × 1536 (128) gained nothing.
     // Each pair of a's row panels is then read from L1, where columns first streams it from L2 or L3
@@ -636,7 +636,7 @@ fn products<T: Copy + 'static>(
             // The block of a after row panel p0's, in the loops' order (this k-block's next, the
             // first again for the next column block, the next k-block's first), for the sweep to
             // ask for, on the AVX2 path: the small preset's products of K = 1152 and 1536 into
-            // N = 384 ran 2.7-2.8% faster with it (an Intel Xeon, model 167), where a and b
+            // N = 384 ran 2.7-2.8% faster with it (an Intel Xeon, 2 MiB L2), where a and b
             // outgrow L2 and each block of a is swept 24 times; the AVX-512 tiles did not gain.
             let a_block = |k0: usize, kb: usize, p0: usize| &ap[at_a(k0, kb, p0)..][..mcp.min(mp - p0) * MR * kb];
             let after = |q0: usize, p0: usize| {
@@ -728,7 +728,7 @@ impl Sweep {
         // lines on their way to L2 a share at a time, as the tiles of row panels `row_panels` (of
         // `ps`) compute: the whole of them by the end of this column's sweep. Without it the
         // sweep's first tiles read them from L3, where packing left them once a and b outgrew L2
-        // (an Intel Xeon, model 167, AVX2: 1024³ and 1024 × 768 × 1024 ran about 4% faster with it).
+        // (an Intel Xeon, 2 MiB L2, AVX2: 1024³ and 1024 × 768 × 1024 ran about 4% faster with it).
         let prefetch_b = |next: std::ops::Range<usize>, row_panels: std::ops::Range<usize>| {
             if !prefetch_panels {
                 return; // a and b stay in L2 (or, rows first, all of b does)
@@ -999,7 +999,7 @@ fn pack_each<T: Copy, const W: usize>(
         //
         // Each step also asks for the run AHEAD steps of k on (gᵀ as a; x, w or v as b): packing reads
         // operands where an op before left them, often in L3 or memory, and there the loads
-        // waited (on an Intel Xeon, model 167, the tiny preset's products ran 16-21% slower with
+        // waited (on an Intel Xeon, 2 MiB L2, the tiny preset's products ran 16-21% slower with
         // 64 operand pairs cycled through 29 MiB than with one pair; asking ahead made the small
         // preset's c_attn and c_fc gᵀ·x 7-9% faster on AVX-512 even in the benchmark, which
         // repeats one pair). A run's last, partial line is not asked for: it is soon read anyway.
@@ -1108,7 +1108,7 @@ fn in_place_or_edge(
 /// columns from q·NR − shift, each row's on one line. Which tile computes
 /// an element changes nothing in its chain.
 ///
-/// Measured on an Intel Xeon (model 167), interleaved: through the AVX2
+/// Measured on an Intel Xeon (2 MiB L2), interleaved: through the AVX2
 /// tiles, 1024³ ran at 82–86 GFLOP/s on an output off its lines and 89–92
 /// on one, and the shift takes the former to the latter (the small preset's
 /// products, outputs of 1.5–6 MB: 3–4%). Asked only there: for an output in
@@ -1343,7 +1343,7 @@ unsafe fn quad_avx512_inner(
         // Each step asks for b's lines eight steps on and, every other step, a's sixteen on (a hint:
         // no value changes). At a k-block of 1024 the two b panels (128 KiB) stream from L2 for
         // every pair of row panels, and the hardware's prefetchers did not keep up: 1024³ ran 6%
-        // faster with it on an Intel Xeon (model 167), the tiny and small preset's products within 1%.
+        // faster with it on an Intel Xeon (2 MiB L2), the tiny and small preset's products within 1%.
         for p in 0..k {
             prefetch(bp0.wrapping_add((p + 8) * NR));
             prefetch(bp1.wrapping_add((p + 8) * NR));

@@ -69,8 +69,10 @@ struct Hiding {
 }
 
 impl Hiding {
-    /// Tokens per rank per step below which the gather's bandwidth term alone
-    /// outlasts any unit's forward: rate · (N − 1)/N · bytes · β / 2.
+    /// Tokens per rank between a unit's gather and its use (per step in the
+    /// lessons' unit-major schedule; per micro-batch in FSDP2's) below which
+    /// the gather's bandwidth term alone outlasts any unit's forward:
+    /// rate · (N − 1)/N · bytes · β / 2.
     fn floor(&self) -> f64 {
         self.rate * (self.ranks - 1.0) / self.ranks * self.bytes * self.beta / 2.0
     }
@@ -259,7 +261,7 @@ fn main() -> std::process::ExitCode {
         say!("{}", t.render());
         let [(_, nvlink, us), (_, ib, _)] = LINKS;
         say!(
-            "Bandwidth-bound (no unit hides its gather) below {} tokens per rank per step on NVLink, {} on InfiniBand: {}e12 · ({}/{PAPER_RANKS}) · 2 bytes / (2 · bytes/s).",
+            "Bandwidth-bound (no unit hides its gather) below {} tokens per rank per step on NVLink, {} on InfiniBand: {}e12 · ({}/{PAPER_RANKS}) · 2 bytes / (2 · bytes/s). Per step in the lessons' schedule, where a unit's forward runs over all of a rank's micro-batches; FSDP2 gathers every unit again for each micro-batch, so for it these are tokens per micro-batch.",
             thousands(on_paper(nvlink, us).floor() as u64),
             thousands(on_paper(ib, us).floor() as u64),
             H100_BF16_FLOPS / 1e12,
