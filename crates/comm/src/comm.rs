@@ -17,8 +17,8 @@ use mpi::traits::*;
 
 use crate::ExactSquares;
 use crate::layout::ShardLayout;
+use crate::progress::Progress;
 use crate::reduce::{MicroBatchSum, ReduceDtype, bf16_bits, bf16_value, sum_pairwise, sum_pairwise_bf16};
-use crate::stream::Progress;
 use crate::trace::{Lane, Trace};
 use crate::traffic::{Collective, Times, Traffic};
 
@@ -513,7 +513,7 @@ impl Comm {
     /// Ends every rank of the job at once with `code` (`MPI_Abort`): for a
     /// failure on one rank while the others may be waiting in a collective.
     pub fn abort(&self, code: i32) -> ! {
-        crate::heartbeat::farewell(); // this rank's end is reported: no loss for the heartbeat
+        crate::job::farewell(); // this rank's end is reported: no loss for the heartbeat
         self.comm.abort(code)
     }
 }

@@ -28,16 +28,16 @@
 //! then ran on for 590 s. Only if mpirun has not ended the job [`GRACE`]
 //! after the line does rank 0 abort. A rank that stops hearing rank 0 ends
 //! itself, so that no rank outlives its job on the far side of a dead link.
-//! A rank that ends on its own error says so first ([`farewell`]), and the
+//! A rank that ends on its own error says so first ([`crate::job::farewell`]), and the
 //! job's normal end is a farewell too: neither is a loss.
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::comm::Comm;
-use crate::world::CommError;
+use crate::job::{BYE, CommError, ENDING, PEERS, tell};
 
 /// Between two heartbeats.
 pub const INTERVAL: Duration = Duration::from_millis(250);
@@ -48,17 +48,11 @@ pub const GRACE: Duration = Duration::from_secs(60);
 
 /// What a byte on a heartbeat connection says.
 const BEAT: u8 = b'.';
-/// "I end, and that is no loss": the job's end, or my own error, already reported.
-const BYE: u8 = b'B';
 /// From rank 0: "I reported a lost node; mpirun ends the job now" — a rank
 /// in reach stops watching, and ends itself if the job has not ended
 /// [`GRACE`] (and a margin) later.
 const LOST: u8 = b'L';
 
-/// The connections of this rank: rank 0's to every other rank, another rank's to rank 0.
-/// `beat` holds the lock only while it reads and writes its beats, never while it reports.
-static PEERS: Mutex<Vec<(usize, TcpStream)>> = Mutex::new(Vec::new());
-static ENDING: AtomicBool = AtomicBool::new(false);
 static HOOK: OnceLock<fn(&str)> = OnceLock::new();
 
 /// What rank 0 says when a rank is lost: `hook(what)` prints one line about
@@ -66,23 +60,6 @@ static HOOK: OnceLock<fn(&str)> = OnceLock::new();
 /// `error: {what}`. Then mpirun ends the job (or, [`GRACE`] later, an abort).
 pub fn on_loss(hook: fn(&str)) {
     let _ = HOOK.set(hook);
-}
-
-/// This rank ends and has said why, or the job ends normally: tells rank 0
-/// (or, on rank 0, every rank) that what follows is no loss. Idempotent.
-pub fn farewell() {
-    if ENDING.swap(true, Ordering::SeqCst) {
-        return;
-    }
-    tell(BYE);
-}
-
-/// Writes `byte` to every peer (the heartbeat thread holds the lock only
-/// while it reads, never while it reports).
-fn tell(byte: u8) {
-    for (_, s) in PEERS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-        let _ = (&*s).write_all(&[byte]);
-    }
 }
 
 /// The silence after which a rank counts as lost: `FSDP_HEARTBEAT_TIMEOUT`
@@ -361,5 +338,5 @@ fn report(lost: &[(usize, &str)], nodes: &[usize], names: &[String], timeout: Du
     ENDING.store(true, Ordering::SeqCst);
     tell(LOST);
     std::thread::sleep(GRACE); // mpirun, which lost the node's daemon too, ends the job meanwhile
-    crate::world::abort_job(3)
+    crate::job::abort_job(3)
 }

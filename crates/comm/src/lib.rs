@@ -9,7 +9,8 @@
 //! - [`Stream`]: the communication stream — collectives on a thread of
 //!   their own, handed over and waited for ([`Pending`]), so that the bytes
 //!   move while the compute thread computes (FSDP2's all-gather and
-//!   reduce-scatter streams); [`trace`] records when each thing happened.
+//!   reduce-scatter streams); [`progress`] how its thread polls MPI without
+//!   taking the core; [`trace`] records when each thing happened.
 //! - **Ordered reductions** ([`reduce`]): every gradient sum is formed as one
 //!   fixed pairwise tree over the step's micro-batches ([`MicroBatchSum`] on
 //!   each rank, [`sum_pairwise`] across ranks), so `all_reduce ≡
@@ -23,9 +24,10 @@
 //! - [`Traffic`]: calls, bytes and times per collective kind: wall time,
 //!   the part the compute thread waited for (exposed), the stream's CPU time;
 //!   across machines, the bytes addressed to other nodes.
-//! - [`Mesh`]: HSDP's shard and replica groups (`MPI_Comm_split`).
+//! - [`Mesh`] ([`mesh`]): HSDP's shard and replica groups (`MPI_Comm_split`).
 //! - [`heartbeat`]: across machines, a dead node or link ends the job in
-//!   bounded time, with one line naming the node.
+//!   bounded time, with one line naming the node; [`job`]: how a rank's or
+//!   the job's end is told (its error, the abort, the farewell).
 //!
 //! ```
 //! use fsdp_comm::ShardLayout;
@@ -39,7 +41,10 @@
 pub mod comm;
 pub mod exact;
 pub mod heartbeat;
+pub mod job;
 pub mod layout;
+pub mod mesh;
+pub mod progress;
 pub mod reduce;
 pub mod stream;
 pub mod trace;
@@ -48,11 +53,14 @@ pub mod world;
 
 pub use comm::{Comm, RankSum};
 pub use exact::ExactSquares;
+pub use job::{CommError, abort_job};
 pub use layout::{ShardInfo, ShardLayout};
+pub use mesh::Mesh;
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
 pub use mpi::traits::Equivalence;
+pub use progress::Policy;
 pub use reduce::{Adding, MicroBatchSum, ReduceDtype, SumGroups, nan_max, sum_pairwise, sum_pairwise_bf16};
-pub use stream::{Group, Pending, Policy, Stream, Wire};
+pub use stream::{Group, Pending, Stream, Wire};
 pub use trace::{Lane, Span, Trace};
 pub use traffic::{Collective, Times, Traffic, TrafficStats};
-pub use world::{CommError, Mesh, World, abort_job};
+pub use world::World;

@@ -9,18 +9,7 @@
 //! code as the blocking calls ([`Comm`]): the same sums, only earlier or
 //! later, so the same bits.
 //!
-//! Open MPI moves a non-blocking collective only inside MPI calls made by
-//! some thread of the process (it has no progress thread of its own), so the
-//! stream's thread must keep calling `MPI_Test`. A blocking call would spin
-//! inside MPI and take half of the core the compute thread runs on; here the
-//! thread polls, then sleeps between polls — 10 µs, doubling up to 200 µs
-//! while the compute thread computes ([`Policy`]; `FSDP_POLL_US=FIRST,MOST`
-//! to measure others), every 10 µs while it is blocked waiting
-//! ([`Progress`]). It asks for the real-time policy, so that it runs the
-//! moment it wakes instead of after the compute thread's time slice (without
-//! root it keeps the default; `FSDP_STREAM_NORMAL` set to any value
-//! declines it, to measure). Its CPU time per collective is measured with the thread's own
-//! clock and reported.
+//! How its thread polls MPI meanwhile: [`crate::progress`].
 //!
 //! Two rules keep the heap a function of the program's order, so that the
 //! lessons' tallies still explain the measured peak: the stream's thread
@@ -31,126 +20,17 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::thread::{JoinHandle, Thread};
-use std::time::{Duration, Instant};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
-use mpi::request::{Request, Scope};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use crate::comm::{Comm, RankSum};
+use crate::progress::{Policy, Progress, enter_stream_thread};
 use crate::reduce::ReduceDtype;
 use crate::trace::Lane;
 use crate::traffic::{Collective, Times};
-
-/// How the stream's thread waits for MPI while a collective is in flight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Policy {
-    /// The first sleep between two polls …
-    pub first: Duration,
-    /// … doubled after each poll, up to this.
-    pub most: Duration,
-    /// Whether the thread has a core to itself while the compute thread
-    /// waits: then it polls every `first` and runs at real-time priority.
-    /// Not when the node runs more ranks than it has cores (oversubscribed):
-    /// a poll every 10 µs at real-time priority would take the core from
-    /// the other rank's compute — measured here, 4 ranks on 2 cores ran 4×
-    /// slower — so it backs off then as well, at the default priority.
-    pub eager: bool,
-}
-
-impl Default for Policy {
-    fn default() -> Self {
-        Self { first: Duration::from_micros(10), most: Duration::from_micros(200), eager: !oversubscribed() }
-    }
-}
-
-impl Policy {
-    /// The default, or `FSDP_POLL_US=FIRST,MOST` (microseconds; for
-    /// measuring other policies); an error line if that is set wrong (the
-    /// lessons check it before their first collective, [`Policy::check_env`]).
-    pub fn from_env() -> Result<Self, String> {
-        let d = Self::default();
-        let Ok(v) = std::env::var("FSDP_POLL_US") else { return Ok(d) };
-        let us: Vec<u64> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        match us[..] {
-            [first, most] if first > 0 && most >= first && v.split(',').count() == 2 => {
-                Ok(Self { first: Duration::from_micros(first), most: Duration::from_micros(most), ..d })
-            }
-            _ => Err(format!(
-                "FSDP_POLL_US={v}: give FIRST,MOST in microseconds, 0 < FIRST ≤ MOST (e.g. 10,200), or unset it"
-            )),
-        }
-    }
-
-    /// The line to print if `FSDP_POLL_US` is set wrong.
-    pub fn check_env() -> Result<(), String> {
-        Self::from_env().map(|_| ())
-    }
-}
-
-/// Whether this node runs more ranks (Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`)
-/// than it gives them cores. The node's cores are those its launcher (my
-/// parent, `mpirun` or its daemon) may run on: under `--bind-to core` my
-/// own mask is one core even when every rank has its own.
-fn oversubscribed() -> bool {
-    let local: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    let mine = std::thread::available_parallelism().map_or(1, |n| n.get());
-    local > mine.max(cores_of(unsafe { libc::getppid() }))
-}
-
-/// How many cores process `pid` may run on (0 if unknown).
-fn cores_of(pid: libc::pid_t) -> usize {
-    // SAFETY: a zeroed cpu_set_t is valid; the kernel fills at most its size.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    match unsafe { libc::sched_getaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } {
-        0 => unsafe { libc::CPU_COUNT(&set) as usize },
-        _ => 0,
-    }
-}
-
-thread_local! {
-    static ON_STREAM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Whether the calling thread is a communication stream's: a counting
-/// allocator asks, to show that the stream allocates nothing while it runs.
-pub fn on_stream_thread() -> bool {
-    ON_STREAM.try_with(|on| on.get()).unwrap_or(false)
-}
-
-/// Drives a stream's non-blocking collectives to completion.
-pub struct Progress {
-    /// The slot (+ 1) the compute thread is blocked on, 0 while it computes.
-    /// While it is blocked the core is idle but for us, and the polls come
-    /// close together; the stream's thread clears it when it finishes that
-    /// slot, since the compute thread is then waking, and wants the core back.
-    waiting_for: AtomicUsize,
-    /// The stream's thread, woken from its sleep when a wait begins.
-    thread: OnceLock<Thread>,
-    policy: Policy,
-}
-
-impl Progress {
-    /// Polls `request` until it completes.
-    pub(crate) fn drive<'a, D: ?Sized, S: Scope<'a>>(&self, mut request: Request<'a, D, S>) {
-        let mut sleep = self.policy.first;
-        loop {
-            match request.test() {
-                Ok(_) => return,
-                Err(r) => request = r,
-            }
-            if self.policy.eager && self.waiting_for.load(Ordering::Acquire) > 0 {
-                // The compute thread waits for us: poll often — but sleep between polls,
-                // never spin, so that a rank sharing the core (oversubscribed) still runs.
-                std::thread::park_timeout(self.policy.first);
-            } else {
-                std::thread::park_timeout(sleep); // the compute thread computes: leave it the core
-                sleep = (sleep * 2).min(self.policy.most);
-            }
-        }
-    }
-}
 
 /// Which of the stream's communicators a collective runs over: its
 /// duplicate of the world's, or under HSDP its own shard or replica group
@@ -211,7 +91,7 @@ impl Op {
         match self {
             Op::Empty => {}
             Op::Split(size) => {
-                let mesh = crate::world::Mesh::split(&comms[0], *size);
+                let mesh = crate::mesh::Mesh::split(&comms[0], *size);
                 comms.extend([mesh.shard, mesh.replica]);
             }
             Op::HsdpReduce { send, groups, mine, shard, part, rank_sum, mid } => {
@@ -341,7 +221,7 @@ impl Stream {
         let thread = std::thread::Builder::new()
             .name("fsdp-comm".into())
             .spawn(move || {
-                ON_STREAM.with(|on| on.set(true));
+                enter_stream_thread();
                 precise_sleeps();
                 let _ = on_thread.progress.thread.set(std::thread::current());
                 // The dup is a blocking collective, which Open MPI spins in: at the default
@@ -563,12 +443,12 @@ pub struct Pending<T> {
     shared: Arc<Shared>,
     slot: usize,
     /// The communicator it runs over (its compute-thread twin records it).
-    group: Group,
+    pub(crate) group: Group,
     kind: Collective,
     bytes: usize,
     /// A second collective the same op runs after the first (HSDP's
     /// all-reduce after its reduce-scatter): its kind and bytes.
-    then: Option<(Collective, usize)>,
+    pub(crate) then: Option<(Collective, usize)>,
     label: Option<String>,
     take: fn(Op) -> T,
     waited: bool,
@@ -585,22 +465,7 @@ impl<T> Pending<T> {
         self
     }
 
-    /// Blocks until the collective has finished; returns its buffers, and
-    /// records it in the traffic of the compute thread's communicator of its
-    /// group (the world's, or the mesh's shard or replica group). The time
-    /// blocked is its *exposed* time; a panic on the stream is raised here.
-    /// An op of two collectives (HSDP's reduction) records the second in the
-    /// replica group, each with its share of the time (the exposed wait and
-    /// the CPU split as their times are).
-    pub fn wait(self, w: &crate::World) -> T {
-        let rec = w.comm_of(self.group);
-        match self.then {
-            None => self.wait_both(rec, rec),
-            Some(_) => self.wait_both(rec, w.comm_of(Group::Replica)),
-        }
-    }
-
-    fn wait_both(mut self, rec: &Comm, rec2: &Comm) -> T {
+    pub(crate) fn wait_both(mut self, rec: &Comm, rec2: &Comm) -> T {
         self.waited = true;
         let t0 = Instant::now();
         let (op, (start, end, cpu), panic) = self.shared.finish(self.slot);

@@ -7,31 +7,15 @@ use std::time::Instant;
 use mpi::environment::Threading;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
-use thiserror::Error;
 
 use crate::comm::{Comm, pack_groups};
 use crate::heartbeat;
+use crate::job::CommError;
+use crate::mesh::Mesh;
+use crate::progress::Policy;
 use crate::reduce::MicroBatchSum;
-use crate::stream::{Group, Pending, Policy, Stream, Wire};
+use crate::stream::{Group, Pending, Stream, Wire};
 use crate::trace::{Lane, Trace};
-
-#[derive(Debug, Error)]
-pub enum CommError {
-    #[error("MPI is already initialised in this process")]
-    AlreadyInitialized,
-    #[error(
-        "this MPI grants thread level {0:?}, and overlapping communication needs MPI_THREAD_MULTIPLE (a thread of its own calls MPI): run without the overlap flags, or use an MPI built with thread support (Open MPI's default)"
-    )]
-    NoThreads(Threading),
-    #[error("{0}")]
-    BadKnob(String),
-    /// The heartbeat could not start, the same line on every rank: only rank 0 prints it.
-    #[error("{0}")]
-    Heartbeat(String),
-    /// The heartbeat could not start on this rank alone: it prints it.
-    #[error("{0}")]
-    HeartbeatHere(String),
-}
 
 /// This process's place in the MPI world, and the collectives over it
 /// (through `Deref` to its [`Comm`]).
@@ -49,7 +33,7 @@ pub struct World {
 
 impl Drop for World {
     fn drop(&mut self) {
-        heartbeat::farewell(); // the job's normal end (or an error every rank agreed on)
+        crate::job::farewell(); // the job's normal end (or an error every rank agreed on)
     }
 }
 
@@ -284,6 +268,23 @@ impl World {
     }
 }
 
+impl<T> Pending<T> {
+    /// Blocks until the collective has finished; returns its buffers, and
+    /// records it in the traffic of the compute thread's communicator of its
+    /// group (the world's, or the mesh's shard or replica group). The time
+    /// blocked is its *exposed* time; a panic on the stream is raised here.
+    /// An op of two collectives (HSDP's reduction) records the second in the
+    /// replica group, each with its share of the time (the exposed wait and
+    /// the CPU split as their times are).
+    pub fn wait(self, w: &World) -> T {
+        let rec = w.comm_of(self.group);
+        match self.then {
+            None => self.wait_both(rec, rec),
+            Some(_) => self.wait_both(rec, w.comm_of(Group::Replica)),
+        }
+    }
+}
+
 // ANCHOR: tcp_eager
 /// The largest message Open MPI's TCP transport (its path between machines)
 /// sends eagerly here: at once, whole, whether or not the receiver has
@@ -325,45 +326,12 @@ fn tcp_eager_setting(already: bool) -> Option<(&'static str, String)> {
 }
 // ANCHOR_END: tcp_eager
 
-// ANCHOR: mesh
-/// HSDP's two-dimensional mesh (FSDP2's `DeviceMesh` of shape
-/// (replicate, shard), torchtitan's `dp_replicate` × `dp_shard`): N ranks in
-/// N/S **shard groups** of S consecutive ranks (one node's, when a node runs
-/// S ranks), which shard the model among themselves, and S **replica
-/// groups**, one per shard index across the shard groups, which hold the
-/// same shard and sum its gradient. The world's rank r is rank r mod S of
-/// shard group r / S, and rank r / S of replica group r mod S.
-pub struct Mesh {
-    /// My shard group: all-gathers and reduce-scatters stay inside it.
-    pub shard: Comm,
-    /// My replica group: the ranks holding my shard in the other shard groups.
-    pub replica: Comm,
-}
-
-impl Mesh {
-    pub(crate) fn split(world: &Comm, shard: usize) -> Self {
-        assert!(shard > 0 && world.size().is_multiple_of(shard), "S = {shard} must divide N = {}", world.size());
-        let r = world.rank();
-        Self { shard: world.split(r / shard, r), replica: world.split(r % shard, r) }
-    }
-}
-// ANCHOR_END: mesh
-
 /// One sum as it is; several packed per destination (see [`Comm`]'s grouped reductions).
 fn packed(mut sums: Vec<Vec<f32>>, size: usize, shard: usize) -> (Vec<f32>, usize) {
     match sums.len() {
         1 => (sums.pop().expect("one sum"), 1),
         k => (pack_groups(&sums, size, shard), k), // the sums are freed here, the packed copy travels
     }
-}
-
-/// Ends every rank of the job (`MPI_Abort` on the world) from a place that
-/// has no [`World`] at hand, such as a panic hook. MPI must be initialised.
-pub fn abort_job(code: i32) -> ! {
-    heartbeat::farewell(); // this rank's end is reported: no loss for the heartbeat
-    // SAFETY: called only after `World::init`; MPI_Abort does not return.
-    unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code) };
-    std::process::exit(code)
 }
 
 #[cfg(test)]

@@ -55,7 +55,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
 }
 
 fn grow(n: usize) {
-    if fsdp_comm::stream::on_stream_thread() {
+    if fsdp_comm::progress::on_stream_thread() {
         STREAM_ALLOCATIONS.fetch_add(1, Relaxed);
     }
     let live = LIVE.fetch_add(n, Relaxed) + n;

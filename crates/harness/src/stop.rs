@@ -118,7 +118,7 @@ pub(crate) fn exit_code(sig: i32) -> i32 {
 pub(crate) fn exit_now(code: i32) -> ! {
     use std::io::Write;
     crate::resume::release_ckpt_lock(); // _exit runs no destructor
-    fsdp_comm::heartbeat::farewell(); // an agreed end, across machines no loss
+    fsdp_comm::job::farewell(); // an agreed end, across machines no loss
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     // SAFETY: _exit ends the process; nothing is left to run.
