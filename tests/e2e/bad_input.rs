@@ -261,7 +261,7 @@ fn ranks_failing_together_print_whole_lines() {
         let Some(rest) = l.strip_prefix("error (rank ") else { return false };
         let (rank, rest) = rest.split_at(1);
         rank.parse::<u8>().is_ok_and(|r| r < 4)
-            && rest.starts_with("): internal error: failpoint panic-after-step:2 at crates/harness/src/edge.rs:")
+            && rest.starts_with("): internal error: failpoint panic-after-step:2 at crates/harness/src/lesson.rs:")
             && rest.rsplit(':').next().is_some_and(|n| n.parse::<u32>().is_ok())
     };
     for l in errors {

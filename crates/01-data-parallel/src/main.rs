@@ -19,7 +19,7 @@ use clap::Parser;
 use data_parallel::{DataParallel, Reduce};
 use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
-use fsdp_harness::session::recompute_note;
+use fsdp_harness::config_table::recompute_note;
 use fsdp_harness::{Lesson, Report, Session, TrainArgs, exercise, print0};
 
 const LESSON: Lesson = Lesson {
@@ -85,7 +85,7 @@ fn main() -> ExitCode {
             train,
             &[("--precision", args.precision.to_string()), ("--reduce", format!("{:?}", args.reduce).to_lowercase())],
         )?;
-        fsdp_harness::edge::agree(world, check(s.sampler.micro_batches as u32))?;
+        fsdp_harness::lesson::agree(world, check(s.sampler.micro_batches as u32))?;
         // The ranks' (or groups') sums are added by exercise 1.1's code only when there are several.
         // (--accumulate adds the group sums itself, whatever --reduce says.)
         let ordered = accumulate.is_some() || args.reduce == Reduce::Ordered;
@@ -96,7 +96,7 @@ fn main() -> ExitCode {
             adds,
             "when sums are added: run 2 or more ranks (or --accumulate 2), --reduce ordered",
         );
-        fsdp_harness::edge::agree(world, needs)?;
+        fsdp_harness::lesson::agree(world, needs)?;
         let groups = s.sum_groups.per_rank();
         let bucket_bytes = step01_data_parallel::buckets::cap_bytes(args.bucket_mb);
         if bucket_bytes.is_some() {
@@ -109,9 +109,9 @@ fn main() -> ExitCode {
                 )),
                 _ => Ok(()),
             };
-            fsdp_harness::edge::agree(world, refuse)?;
+            fsdp_harness::lesson::agree(world, refuse)?;
             let per_rank = s.my_micro_batches().len();
-            fsdp_harness::edge::agree(
+            fsdp_harness::lesson::agree(
                 world,
                 exercise::needs(
                     1,
@@ -124,7 +124,7 @@ fn main() -> ExitCode {
             s.start_stream()?;
         }
         if args.reduce == Reduce::Native && accumulate.is_none() && groups > 1 {
-            fsdp_harness::edge::agree(
+            fsdp_harness::lesson::agree(
                 world,
                 Err::<(), _>(anyhow::anyhow!(
                     "--reduce native sums one buffer per rank, but this run sums {groups} gradient groups per rank (--sum-groups, or the checkpoint's): use --reduce ordered"

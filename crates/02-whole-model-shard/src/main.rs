@@ -10,9 +10,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use fsdp_comm::{Collective, nan_max};
+use fsdp_harness::config_table::recompute_note;
 use fsdp_harness::plot::{Chart, Series};
 use fsdp_harness::report::points_from;
-use fsdp_harness::session::recompute_note;
 use fsdp_harness::table::{Table, mb, sci, thousands};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
 use step02_whole_model_shard::WholeModelShard;
@@ -64,7 +64,7 @@ fn main() -> ExitCode {
             }
             _ => Ok(()),
         };
-        fsdp_harness::edge::agree(world, needs.and(probe))?;
+        fsdp_harness::lesson::agree(world, needs.and(probe))?;
         let bucket_bytes = step01_data_parallel::buckets::cap_bytes(args.bucket_mb);
         if bucket_bytes.is_some() {
             // DDP's buckets go to a communication thread of their own, on every rank.

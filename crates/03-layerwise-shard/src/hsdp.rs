@@ -17,7 +17,7 @@ use fsdp_harness::{Report, Session};
 /// `--hsdp S`, checked on every rank together: refused in one line where it cannot run.
 pub fn check(s: &Session, hsdp: Option<usize>) -> anyhow::Result<()> {
     let refused = hsdp.and_then(|size| refusal(s, size));
-    fsdp_harness::edge::agree(s.world, refused.map_or(Ok(()), Err))
+    fsdp_harness::lesson::agree(s.world, refused.map_or(Ok(()), Err))
 }
 
 /// `--hsdp S`: why these S cannot run, in one line (None: they can).

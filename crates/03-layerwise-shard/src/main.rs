@@ -90,12 +90,12 @@ fn main() -> ExitCode {
             )),
             _ => Ok(()),
         };
-        fsdp_harness::edge::agree(world, check)?;
+        fsdp_harness::lesson::agree(world, check)?;
         let clip = s.args.grad_clip.is_some();
-        fsdp_harness::edge::agree(world, exercise::needs(3, 2, clip, "under --grad-clip: add --grad-clip 0.5"))?;
+        fsdp_harness::lesson::agree(world, exercise::needs(3, 2, clip, "under --grad-clip: add --grad-clip 0.5"))?;
         let layers = s.cfg.n_layer;
         let blocks_per_unit = args.blocks_per_unit;
-        fsdp_harness::edge::agree(
+        fsdp_harness::lesson::agree(
             world,
             match blocks_per_unit {
                 0 => Err(anyhow!("--blocks-per-unit 0: a unit needs at least one block (pass 1 to {layers})")),
@@ -110,7 +110,7 @@ fn main() -> ExitCode {
         let block_units = layers.div_ceil(blocks_per_unit); // 1 to `layers` (checked above)
         let asked =
             step03_layerwise_shard::layerwise_shard::prefetch_depth(args.prefetch, args.prefetch_depth, block_units);
-        let asked = fsdp_harness::edge::agree(world, asked)?;
+        let asked = fsdp_harness::lesson::agree(world, asked)?;
         if args.prefetch {
             // FSDP2's streams: a communication thread of its own, started on every rank together.
             s.start_stream()?;

@@ -4,7 +4,7 @@
 use fsdp_comm::ShardLayout;
 use fsdp_gpt::kernels::Probs;
 use fsdp_gpt::memory::block_activations;
-use fsdp_harness::session::{embedding_rows, pass_rows, tape_rows};
+use fsdp_harness::memory_tally::{embedding_rows, pass_rows, tape_rows};
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 

@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use fsdp_comm::ReduceDtype;
 use fsdp_gpt::Precision;
-use fsdp_harness::session::recompute_note;
+use fsdp_harness::config_table::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise};
 use step03_layerwise_shard::layerwise_shard::{describe_prefetch, prefetch_depth};
 use step03_layerwise_shard::tally::bytes_per_step;
@@ -93,7 +93,7 @@ fn main() -> ExitCode {
         flags.extend(reduce_flag(args.reduce_dtype));
         let (mut s, start) = Session::with_flags(world, lesson, args.train, &flags)?;
         s.reduce_dtype = args.reduce_dtype;
-        fsdp_harness::edge::agree(
+        fsdp_harness::lesson::agree(
             world,
             match (args.head_grad, args.stage) {
                 (Some(h), stage @ (1 | 2)) => Err(anyhow::anyhow!(
@@ -116,7 +116,7 @@ fn main() -> ExitCode {
         )?;
         hsdp::check(&s, args.hsdp)?;
         let asked =
-            fsdp_harness::edge::agree(world, prefetch_depth(args.prefetch, args.prefetch_depth, s.cfg.n_layer))?;
+            fsdp_harness::lesson::agree(world, prefetch_depth(args.prefetch, args.prefetch_depth, s.cfg.n_layer))?;
         if args.prefetch || args.overlap_comm {
             // FSDP2's streams, DeepSpeed's overlap_comm: a communication thread of its own, on every rank.
             s.start_stream()?;
@@ -124,7 +124,7 @@ fn main() -> ExitCode {
         let needs = exercise::needs(4, 1, args.stage == 2, "at --stage 2 (ZeRO-2's hand-off)").and_then(|()| {
             exercise::needs(4, 2, args.precision == Precision::Bf16, "under --precision bf16 (the bf16 gathers)")
         });
-        fsdp_harness::edge::agree(world, needs)?;
+        fsdp_harness::lesson::agree(world, needs)?;
         let mut zero = OptimizerStateShard::new(
             &s,
             start,

@@ -110,7 +110,7 @@ fn run(a: &Args) -> anyhow::Result<()> {
     // SAFETY: no other thread exists yet.
     unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
     // The kernel's rates as the lessons see them: they keep freed blocks in
-    // the heap (fsdp_harness::edge), so a product's buffers are not fresh
+    // the heap (fsdp_harness::launch), so a product's buffers are not fresh
     // pages to fault in (at 1024³ those faults cost a third of its time).
     fsdp_harness::alloc::keep_freed_memory();
     std::fs::create_dir_all(&a.out)?;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::edge::{Lesson, Stop};
+use crate::lesson::{Lesson, Stop};
 
 #[derive(Debug, Clone, Parser)]
 pub struct TrainArgs {
@@ -169,7 +169,7 @@ pub fn parse_args<P: Parser>(lesson: &Lesson) -> anyhow::Result<P> {
         Err(e) => {
             use clap::error::ErrorKind::*;
             if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
-                if crate::edge::is_root() {
+                if crate::lesson::is_root() {
                     print!("{}", e.render());
                 }
                 return Err(Stop::Success.into());

@@ -25,31 +25,37 @@
 //! |---|---|
 //! | [`alloc`] | the counting global allocator (live and peak heap, per rank) |
 //! | [`cli`] | the flags every lesson shares |
-//! | [`session`] | config validation, data, model, the config table |
-//! | [`run`] | the training-loop bookkeeping: progress, losses, timing |
-//! | [`report`] | memory tally, traffic table, JSON, weights |
+//! | [`session`] | config validation, data, model |
+//! | [`config_table`] | the config table, printed once with derived quantities |
+//! | [`run`] | the training-loop bookkeeping: progress, losses, timing; training's start and each step's end (budget, checkpoint, stop) |
+//! | [`memory_tally`] | the memory tally from shapes, and the moments of a step it models |
+//! | [`report`] | the report: memory tally beside the measured heap, traffic table, JSON, weights |
 //! | [`table`], [`plot`] | boxed text tables, SVG charts (re-exported from `fsdp-plot`) |
-//! | [`timeline`] | the heap sampled at the events of one step |
-//! | [`trace`] | `--trace`: when things happened, as Chrome trace events and an SVG timeline |
+//! | [`memory_timeline`] | the heap sampled at the events of one step |
+//! | [`trace_files`] | `--trace`: when things happened, as Chrome trace events and an SVG timeline |
 //! | [`checkpoint`] | checkpoint files (re-exported from `fsdp-checkpoint`) |
 //! | [`resume`] | before training: the checkpoint flags, and a checkpoint checked against this run |
 //! | [`save`] | the collective, atomic save of a checkpoint |
-//! | [`edge`] | `main`: errors reported once, on rank 0, every rank ends |
+//! | [`lesson`] | what a lesson is; `is_root`; setup's agreement (`agree`) |
+//! | [`launch`] | `main`: errors reported once, on rank 0, every rank ends |
 //! | [`exercise`] | `--mine K`: the learner's code in place of an answer, inside the real step |
 //! | [`stop`] | SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit |
 
 pub mod alloc;
 pub mod cli;
-pub mod edge;
+pub mod config_table;
 pub mod exercise;
+pub mod launch;
+pub mod lesson;
+pub mod memory_tally;
+pub mod memory_timeline;
 pub mod report;
 pub mod resume;
 pub mod run;
 pub mod save;
 pub mod session;
 pub mod stop;
-pub mod timeline;
-pub mod trace;
+pub mod trace_files;
 
 /// The checkpoint files (crate `fsdp-checkpoint`), and the tables and charts
 /// (crate `fsdp-plot`): infrastructure, kept in crates of their own.
@@ -57,16 +63,18 @@ pub use fsdp_checkpoint as checkpoint;
 pub use fsdp_plot::{plot, table};
 
 pub use cli::{TrainArgs, parse_args};
-pub use edge::{Lesson, main};
-pub use report::{Held, MemoryTally, Moment, Report};
+pub use launch::main;
+pub use lesson::Lesson;
+pub use memory_tally::{Held, MemoryTally, Moment};
+pub use memory_timeline::MemoryTimeline;
+pub use report::Report;
 pub use run::Run;
 pub use session::{Moments, Session, Start};
-pub use timeline::MemoryTimeline;
 
 /// Prints on rank 0 only (rank-0 output is the report; other ranks stay quiet).
 #[macro_export]
 macro_rules! print0 {
     ($($arg:tt)*) => {
-        if $crate::edge::is_root() { println!($($arg)*); }
+        if $crate::lesson::is_root() { println!($($arg)*); }
     };
 }

@@ -6,166 +6,11 @@ use anyhow::Context;
 use fsdp_comm::{Collective, World};
 use serde_json::{Value, json};
 
+use crate::memory_tally::MemoryTally;
 use crate::plot::{Chart, Series};
 use crate::run::Run;
 use crate::session::Session;
-use crate::table::{Table, mb, mb_measured, thousands};
-
-/// When a rank holds a category of memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Held {
-    /// From step to step: model states, data, buffers kept for reuse.
-    Kept,
-    /// Only around the step's peak: activations, gathered units, gradients
-    /// in flight, temporaries.
-    AtPeak,
-    /// Diagnostics the technique itself does not need (lesson 02's
-    /// `--check` reference): measured with the rest, never in its total.
-    Apart,
-}
-
-/// One category of memory a rank holds, computed from shapes.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TallyRow {
-    pub category: String,
-    pub elems: usize,
-    pub bytes_per_elem: usize,
-    pub note: String,
-    pub held: Held,
-}
-
-impl TallyRow {
-    pub fn bytes(&self) -> u64 {
-        (self.elems * self.bytes_per_elem) as u64
-    }
-}
-
-/// What a rank holds at one moment of the step, besides what it keeps.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Moment {
-    pub label: String,
-    pub rows: Vec<TallyRow>,
-}
-
-impl Moment {
-    pub fn new(label: impl Into<String>) -> Self {
-        Self { label: label.into(), rows: vec![] }
-    }
-
-    pub fn add(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
-        let row = TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into(), held: Held::AtPeak };
-        self.rows.push(row);
-        self
-    }
-
-    pub fn bytes(&self) -> u64 {
-        self.rows.iter().map(TallyRow::bytes).sum()
-    }
-}
-
-/// Bytes per rank by category, from shapes alone (no measurement): what
-/// is kept from step to step, plus what is held at the step's busiest
-/// moment — together the peak the counting allocator should measure —
-/// and, apart, diagnostics.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct MemoryTally {
-    pub rows: Vec<TallyRow>,
-    /// The moment of the step whose rows are in (see [`MemoryTally::peak`]).
-    pub peak_at: String,
-}
-
-impl MemoryTally {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// A category kept from step to step.
-    pub fn add(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
-        self.push(category, elems, bytes_per_elem, note, Held::Kept)
-    }
-
-    /// A diagnostic, shown apart from the technique's own total.
-    pub fn apart(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
-        self.push(category, elems, bytes_per_elem, note, Held::Apart)
-    }
-
-    fn push(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str, held: Held) -> &mut Self {
-        self.rows.push(TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into(), held });
-        self
-    }
-
-    /// Adds the busiest of `moments` (the most bytes; the first of equals):
-    /// the step's peak, from shapes.
-    pub fn peak(&mut self, moments: Vec<Moment>) -> &mut Self {
-        let busiest = moments.into_iter().reduce(|a, b| if b.bytes() > a.bytes() { b } else { a });
-        if let Some(m) = busiest {
-            self.peak_at = m.label;
-            self.rows.extend(m.rows);
-        }
-        self
-    }
-
-    fn sum(&self, pick: impl Fn(Held) -> bool) -> u64 {
-        self.rows.iter().filter(|r| pick(r.held)).map(TallyRow::bytes).sum()
-    }
-
-    /// The technique's peak: kept plus the busiest moment's (diagnostics excluded).
-    pub fn total_bytes(&self) -> u64 {
-        self.sum(|h| h != Held::Apart)
-    }
-
-    pub fn kept_bytes(&self) -> u64 {
-        self.sum(|h| h == Held::Kept)
-    }
-
-    pub fn apart_bytes(&self) -> u64 {
-        self.sum(|h| h == Held::Apart)
-    }
-
-    /// What the counting allocator should measure: the peak and the diagnostics.
-    pub fn expected_peak_bytes(&self) -> u64 {
-        self.total_bytes() + self.apart_bytes()
-    }
-
-    /// The tally as a table: kept, the peak moment, the total; diagnostics apart.
-    pub fn table(&self) -> Table {
-        let mut t = Table::new(["memory per rank (from shapes)", "elements", "bytes", "MB", "note"]);
-        let total = |t: &mut Table, label: &str, bytes: u64| {
-            t.row([label.to_string(), String::new(), thousands(bytes), mb(bytes), String::new()]);
-        };
-        let rows = |t: &mut Table, held: Held| {
-            for r in self.rows.iter().filter(|r| r.held == held) {
-                // Rows counted in bytes (mixed dtypes: a graph's tensors) have no element count.
-                let elems = if r.bytes_per_elem == 1 { "—".to_string() } else { thousands(r.elems as u64) };
-                t.row([r.category.clone(), elems, thousands(r.bytes()), mb(r.bytes()), r.note.clone()]);
-            }
-        };
-        rows(&mut t, Held::Kept);
-        t.separator();
-        total(&mut t, "kept from step to step", self.kept_bytes());
-        if self.rows.iter().any(|r| r.held == Held::AtPeak) {
-            t.separator();
-            t.row([
-                format!("at the peak: {}", self.peak_at),
-                String::new(),
-                String::new(),
-                String::new(),
-                String::new(),
-            ]);
-            rows(&mut t, Held::AtPeak);
-        }
-        t.separator();
-        total(&mut t, "peak", self.total_bytes());
-        if self.apart_bytes() > 0 {
-            t.separator();
-            t.row(["diagnostics, apart".to_string(), String::new(), String::new(), String::new(), String::new()]);
-            rows(&mut t, Held::Apart);
-            t.separator();
-            total(&mut t, "peak with the diagnostics", self.expected_peak_bytes());
-        }
-        t
-    }
-}
+use crate::table::{Table, mb_measured, thousands};
 
 /// One communicator's traffic (a name like "shard group (2 ranks)") and
 /// the bytes per step its theory gives, by kind.
@@ -284,7 +129,7 @@ impl<'a, 'w> Report<'a, 'w> {
         let remote: u64 = traffic.stats.iter().map(|t| t.bytes_remote).sum();
         let remote_by_rank = w.gather_control(&[remote]);
         let nodes = w.nodes().iter().copied().max().map_or(1, |m| m + 1);
-        let traces = s.args.trace.as_ref().and_then(|_| crate::trace::gather(w));
+        let traces = s.args.trace.as_ref().and_then(|_| crate::trace_files::gather(w));
         if !w.is_root() {
             return Ok(());
         }
@@ -500,7 +345,7 @@ impl<'a, 'w> Report<'a, 'w> {
         );
         if let (Some(dir), Some(traces)) = (&s.args.trace, traces) {
             let title = format!("{} · {} rank(s)", s.lesson.package, w.size());
-            let names = crate::trace::write(dir, &title, &traces)?;
+            let names = crate::trace_files::write(dir, &title, &traces)?;
             let dropped: usize = traces.iter().map(|t| t.dropped).sum();
             let note =
                 if dropped > 0 { format!(" ({dropped} spans past its capacity not recorded)") } else { String::new() };

@@ -101,7 +101,7 @@ impl Drop for HeldFolder {
 static CKPT_LOCK: std::sync::Mutex<Option<HeldFolder>> = std::sync::Mutex::new(None);
 
 /// Releases the `--ckpt` folder's lock, if this process holds it: at the end
-/// of a job, however it ends short of a kill (`edge`).
+/// of a job, however it ends short of a kill (`launch`).
 pub fn release_ckpt_lock() {
     if let Ok(mut held) = CKPT_LOCK.try_lock() {
         held.take();

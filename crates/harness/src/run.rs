@@ -1,5 +1,7 @@
 //! Training-loop bookkeeping: the progress bar (or plain lines when stdout
-//! is not a terminal), the loss history and the step timings.
+//! is not a terminal), the loss history and the step timings; and what the
+//! session does when training starts and at each step's end (`--mem-budget`,
+//! checkpoints, a stop asked for).
 use std::io::IsTerminal;
 use std::time::Instant;
 
@@ -140,5 +142,97 @@ fn wants_bar() -> bool {
         Ok("bar") => true,
         Ok("plain") => false,
         _ => std::io::stdout().is_terminal() && std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none(),
+    }
+}
+
+impl Session<'_> {
+    /// Training begins: the step clock and a fresh peak-heap measurement
+    /// start, and `--mem-budget` is checked once before the first step (does
+    /// the training state alone fit?).
+    pub fn start_training(&self) -> anyhow::Result<Run> {
+        if self.args.trace.is_some() {
+            self.world.start_trace(); // its storage is allocated now, before the peak is measured
+            self.world.trace_step(self.first_step);
+        }
+        let run = Run::start(self);
+        self.check_memory_budget(self.first_step - 1)?;
+        Ok(run)
+    }
+
+    /// Everything a step's end does besides the lesson's own work: record
+    /// the loss (and print it), check `--mem-budget`, save a checkpoint when
+    /// one is due, and stop the job if it was asked to (after saving one,
+    /// with `--ckpt`). Every rank calls it after every step.
+    pub fn end_step<'a>(
+        &self,
+        step: u64,
+        run: &mut Run,
+        loss: f32,
+        pieces: impl FnOnce() -> Vec<crate::checkpoint::ShardPiece<'a>>,
+    ) -> anyhow::Result<()> {
+        run.step_done(step, loss, self.grad_norm.take().map(|n| (n, self.args.grad_clip.unwrap_or(f32::INFINITY))));
+        crate::lesson::failpoint_panic(step);
+        self.check_memory_budget(step)?;
+        let stop = crate::stop::agreed(self.world);
+        let save = self.checkpoint_due(step) || (stop.is_some() && self.args.ckpt.is_some());
+        if save {
+            self.save_checkpoint(step, pieces)?;
+            run.leave_out_pause(); // the save is not part of the next step's time
+        }
+        crate::stop::step_started(step + 1);
+        self.world.trace_step(step + 1);
+        if step == self.args.steps {
+            self.world.stop_trace(); // training is over: the report's gathers are not part of it
+        }
+        let Some(sig) = stop.filter(|_| step < self.args.steps) else { return Ok(()) }; // after the last step: done anyway
+        if self.world.is_root() {
+            let how = crate::stop::cause(sig);
+            match &self.args.ckpt {
+                Some(dir) => eprintln!(
+                    "stopped {how} after step {step}: checkpoint {}; resume with --resume {}",
+                    dir.join(crate::checkpoint::step_dir_name(step)).display(),
+                    dir.display()
+                ),
+                None => eprintln!("stopped {how} after step {step}: {}", crate::stop::NOTHING_SAVED),
+            }
+        }
+        crate::stop::exit_now(crate::stop::exit_code(sig))
+    }
+
+    /// `--mem-budget`: before the first step and after each step, every rank learns whether any rank
+    /// allocated beyond its budget; if one did, rank 0 prints one line and
+    /// every rank stops with exit code 2, like a GPU's out-of-memory error.
+    /// Without a budget it does nothing (and no collective).
+    pub fn check_memory_budget(&self, step: u64) -> anyhow::Result<()> {
+        if self.args.mem_budget.is_none() {
+            return Ok(());
+        }
+        let o = crate::alloc::overrun();
+        let mine = o.map_or([0, 0, 0, 0], |o| [1, o.needed as u64, o.live as u64, o.before_training as u64]);
+        let all = self.world.gather_control(&mine);
+        let Some((rank, r)) = all.chunks_exact(4).enumerate().find(|(_, r)| r[0] == 1) else { return Ok(()) };
+        if self.world.is_root() {
+            let budget = self.args.mem_budget.unwrap_or(0);
+            let fix = "pass a larger --mem-budget, more ranks, or a higher ZeRO stage";
+            let b = crate::table::mb_or_bytes(budget);
+            let (needed, live) = (crate::table::mb(r[1]), crate::table::mb(r[2]));
+            let first = self.first_step;
+            if r[3] == 1 && r[2] > budget {
+                // More than the budget was live when it was set.
+                eprintln!(
+                    "error: out of memory on rank {rank}: {live} live before training already exceeds the budget {b} ({fix})"
+                );
+            } else if r[3] == 1 {
+                // While building the training state: the state alone does not fit.
+                eprintln!(
+                    "error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (building the training state, before step {first}; {fix})"
+                );
+            } else {
+                eprintln!(
+                    "error: out of memory on rank {rank}: needed {needed}, budget {b}, live {live} (step {step}; {fix})"
+                );
+            }
+        }
+        Err(crate::lesson::Stop::Reported.into())
     }
 }

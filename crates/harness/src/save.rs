@@ -9,7 +9,7 @@ use anyhow::Context;
 use fsdp_comm::World;
 
 use crate::checkpoint::{self, AdamWMeta, DataMeta, FileMeta, Meta, ShardPiece, UnitMeta};
-use crate::edge::agree;
+use crate::lesson::agree;
 use crate::session::Session;
 use crate::table::mb;
 

@@ -61,7 +61,7 @@ fn parse_count(s: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
-    fsdp_harness::edge::tool_main(|a: Args| {
+    fsdp_harness::launch::tool_main(|a: Args| {
         anyhow::ensure!(
             a.k >= 0.0 && a.k.is_finite() && a.device_gb > 0.0 && a.device_gb.is_finite(),
             "--k must be ≥ 0 and --device-gb > 0"

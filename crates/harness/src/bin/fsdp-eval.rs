@@ -33,7 +33,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    fsdp_harness::edge::tool_main(run)
+    fsdp_harness::launch::tool_main(run)
 }
 
 fn run(args: Args) -> anyhow::Result<()> {

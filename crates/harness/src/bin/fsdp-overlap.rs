@@ -304,7 +304,7 @@ fn ms(x: f64) -> String {
 }
 
 fn main() -> std::process::ExitCode {
-    fsdp_harness::edge::tool_main(|a: Args| {
+    fsdp_harness::launch::tool_main(|a: Args| {
         let m: Value = serde_json::from_str(
             &std::fs::read_to_string(&a.manifest).with_context(|| format!("cannot read {}", a.manifest.display()))?,
         )

@@ -71,7 +71,7 @@ const DEFAULT_WEIGHTS: &str = "out/02-whole-model-shard/weights.safetensors";
 const PRESETS: [&str; 3] = ["tiny", "small", "gpt2"];
 
 fn main() -> ExitCode {
-    fsdp_harness::edge::tool_main(run)
+    fsdp_harness::launch::tool_main(run)
 }
 
 /// The preset a shape is, if any.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use fsdp_harness::trace::{from_chrome, panel};
+use fsdp_harness::trace_files::{from_chrome, panel};
 use fsdp_plot::timeline::timeline_svg;
 
 #[derive(Debug, Parser)]
@@ -26,7 +26,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
-    fsdp_harness::edge::tool_main(|a: Args| {
+    fsdp_harness::launch::tool_main(|a: Args| {
         let mut panels = vec![];
         for p in &a.panels {
             let (title, path) = p.rsplit_once('=').with_context(|| format!("{p}: write a panel as TITLE=TRACE"))?;
