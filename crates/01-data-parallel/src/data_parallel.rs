@@ -21,7 +21,8 @@ use fsdp_gpt::params::digest_f32;
 use fsdp_gpt::{AdamW, Precision};
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
 use fsdp_harness::{MemoryTally, Moment, Session, Start, exercise};
-use step01_data_parallel::{Buckets, backward_in_buckets};
+
+use crate::buckets::{Buckets, backward_in_buckets};
 
 /// How the gradient is all-reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -5,22 +5,14 @@
 //! just step 01 4          # 4 ranks
 //! cargo run --release -p step01-data-parallel -- --accumulate 2   # one process, 2 simulated ranks
 //! ```
-mod data_parallel;
-// The exercises: yours (src/exercises.rs) and the answers, with the same
-// signatures; `--mine K` makes the step call yours (fsdp_harness::exercise).
-#[path = "../solutions/exercises.rs"]
-mod answers;
-#[path = "exercises.rs"]
-mod mine;
-
 use std::process::ExitCode;
 
 use clap::Parser;
-use data_parallel::{DataParallel, Reduce};
 use fsdp_comm::Collective;
 use fsdp_gpt::Precision;
 use fsdp_harness::config_table::recompute_note;
 use fsdp_harness::{Lesson, Report, Session, TrainArgs, exercise, print0};
+use step01_data_parallel::{DataParallel, Reduce};
 
 const LESSON: Lesson = Lesson {
     package: "step01-data-parallel",
@@ -143,7 +135,7 @@ fn main() -> ExitCode {
         }
         // The reduce-scatter inside the ordered all-reduce adds what the
         // all-to-all delivered with exercise 1.1 (the answer's unless --mine 1).
-        world.set_rank_sum(data_parallel::sum_received);
+        world.set_rank_sum(step01_data_parallel::data_parallel::sum_received);
         let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute, bucket_bytes)?;
         if let Some(b) = dp.buckets() {
             extra.push(("DDP buckets", step01_data_parallel::buckets::describe(b, args.bucket_mb.unwrap_or(0.0))));
