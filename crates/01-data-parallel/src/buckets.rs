@@ -21,16 +21,21 @@
 //! the communication stream, and copied back. An all-reduce adds element by
 //! element, each element as the same pairwise tree over the ranks (and the
 //! sum groups), so cutting the vector into buckets changes no bit.
+//!
+//! [`DataParallel::bucketed_step`] is lesson 01's step with them, beside the
+//! plain one in `data_parallel.rs`; lesson 02 has its own, beside its idea.
 use std::cell::Cell;
 use std::ops::Range;
 use std::time::Instant;
 
 use candle_core::Var;
-use fsdp_comm::{Adding, MicroBatchSum, Pending, World};
+use fsdp_comm::{Adding, MicroBatchSum, Pending, ShardLayout, World};
 use fsdp_gpt::blockwise::{self, Mark};
 use fsdp_gpt::model::add_into;
-use fsdp_gpt::{ParamTable, Unit};
-use fsdp_harness::{MemoryTally, Moment, Session};
+use fsdp_gpt::{ParamTable, Precision, Unit};
+use fsdp_harness::{MemoryTally, Moment, Session, Start};
+
+use crate::data_parallel::{DataParallel, Reduce, accumulate_micro_batches, scale};
 
 /// One bucket: which units, where their gradients sit in the flat vector,
 /// and its buffers (here, or travelling with its all-reduce).
@@ -338,6 +343,69 @@ pub fn backward_in_buckets(
     Ok(loss)
 }
 // ANCHOR_END: backward_in_buckets
+
+impl DataParallel {
+    /// `--bucket-mb`: the replica and its buckets of at least `cap` bytes.
+    /// The buckets are cut first, the state after, and the grad shard is
+    /// theirs (each bucket has its own); the stream must be started.
+    pub fn with_buckets(
+        s: &Session,
+        start: Start,
+        reduce: Reduce,
+        precision: Precision,
+        recompute: bool,
+        cap: usize,
+    ) -> anyhow::Result<(Self, Buckets)> {
+        let layout = ShardLayout::new(s.table.numel(), s.world.size());
+        let buckets = Buckets::for_session(s, layout.padded, cap);
+        Ok((Self::build(s, start, reduce, precision, recompute, 0)?, buckets))
+    }
+
+    // ANCHOR: bucketed_step
+    /// The step of `data_parallel.rs` with DDP's buckets: my last micro-batch
+    /// goes apart, and its backward all-reduces bucket by bucket on the stream.
+    pub fn bucketed_step(&mut self, s: &Session, step: u64, b: &mut Buckets) -> anyhow::Result<f32> {
+        let (w, numel) = (s.world, s.table.numel());
+        // 1. forward/backward on my micro-batches but the last, summed in order; then the last, in buckets
+        let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
+        self.grads.reset();
+        let mine = s.my_micro_batches();
+        let mut loss_sum = w.traced(
+            || "forward+backward of my micro-batches".into(),
+            || accumulate_micro_batches(s, &vars, step, mine.start..mine.end - 1, self.recompute, &mut self.grads),
+        )?;
+        loss_sum += backward_in_buckets(s, &vars, step, mine.end - 1, self.recompute, &mut self.grads, b)? as f64;
+        drop(vars);
+
+        // 2. all-reduce: handed to the stream in the backward; wait for every bucket, then the mean
+        let grads = b.all_reduced(w, &mut self.grads);
+        let (m, grads) = (s.sampler.micro_batches, &mut grads[..numel]);
+        scale(grads, m);
+        s.clip_whole(grads); // --grad-clip: every rank holds the whole gradient
+
+        // 3. update: the same AdamW step on every rank
+        w.traced(|| "AdamW update".into(), || self.opt.step(&mut self.params, grads));
+        Ok((w.sum_f64(&[loss_sum])[0] / m as f64) as f32)
+    }
+    // ANCHOR_END: bucketed_step
+
+    /// [`DataParallel::tally`] under `--bucket-mb`: the buckets' rows in place
+    /// of the grad shard and its receive buffer; my last micro-batch hands
+    /// each block's gradient on as its backward ends, the others are
+    /// collected whole.
+    pub fn bucketed_tally(&self, s: &Session, b: &Buckets) -> MemoryTally {
+        let mut t = self.state_rows(s);
+        b.tally_rows(s, &mut t);
+        s.data_tally(&mut t);
+        let mut moments = self.whole_moments(s, s.my_micro_batches().len() - 1);
+        // Each unit's gradient added to the sum as the unit is handed on.
+        moments.extend(
+            b.last_micro_batch_moments(s, self.precision.bytes(), self.recompute, &mut |m| self.vars_row(s, m)),
+        );
+        t.peak(moments);
+        t
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -22,8 +22,6 @@ use fsdp_gpt::{AdamW, Precision};
 use fsdp_harness::checkpoint::{ShardPiece, cut_shard};
 use fsdp_harness::{MemoryTally, Moment, Session, Start, exercise};
 
-use crate::buckets::{Buckets, backward_in_buckets};
-
 /// How the gradient is all-reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Reduce {
@@ -39,18 +37,15 @@ pub struct DataParallel {
     pub params: Vec<f32>,
     /// The sum of my micro-batches' full gradients, padded to a multiple of
     /// N for the all-reduce.
-    grads: MicroBatchSum,
+    pub(crate) grads: MicroBatchSum,
     /// This rank's shard of the gradient inside the ordered all-reduce.
     grad_shard: Vec<f32>,
-    opt: AdamW,
+    pub(crate) opt: AdamW,
     reduce: Reduce,
     /// The compute copy's dtype (`--precision`); params, sums, `m`, `v` stay fp32.
-    precision: Precision,
+    pub(crate) precision: Precision,
     /// `--recompute`: activation checkpointing, block by block.
-    recompute: bool,
-    /// `--bucket-mb`: the gradient all-reduced bucket by bucket on the
-    /// communication stream, during my last micro-batch's backward (DDP).
-    buckets: Option<Buckets>,
+    pub(crate) recompute: bool,
 }
 
 impl DataParallel {
@@ -60,11 +55,23 @@ impl DataParallel {
         reduce: Reduce,
         precision: Precision,
         recompute: bool,
-        bucket_bytes: Option<usize>,
+    ) -> anyhow::Result<Self> {
+        let layout = ShardLayout::new(s.table.numel(), s.world.size());
+        Self::build(s, start, reduce, precision, recompute, layout.shard_len)
+    }
+
+    /// The replica, with `grad_shard_len` elements of gradient shard inside
+    /// the ordered all-reduce (none with DDP's buckets: they have their own).
+    pub(crate) fn build(
+        s: &Session,
+        start: Start,
+        reduce: Reduce,
+        precision: Precision,
+        recompute: bool,
+        grad_shard_len: usize,
     ) -> anyhow::Result<Self> {
         let numel = s.table.numel();
         let layout = ShardLayout::new(numel, s.world.size());
-        let buckets = bucket_bytes.map(|cap| Buckets::for_session(s, layout.padded, cap));
         // The same seed (or checkpoint), the same bits, on every rank: kept whole.
         let (params, moments) = start.into_parts()?;
         let mut opt = AdamW::new(s.adamw, numel).with_no_decay(s.table.no_decay_in(0..numel));
@@ -74,32 +81,21 @@ impl DataParallel {
         Ok(Self {
             params,
             grads: s.grad_sum(layout.padded).preallocated(),
-            // the buckets have shards of their own
-            grad_shard: if buckets.is_some() { vec![] } else { vec![0.0; layout.shard_len] },
+            grad_shard: vec![0.0; grad_shard_len],
             opt,
             reduce,
             precision,
             recompute,
-            buckets,
         })
     }
 
     /// Allocates now the ordered all-reduce's receive buffer, which the
     /// tally counts as kept (not under `--accumulate`, which adds the group
-    /// sums itself).
+    /// sums itself; DDP's buckets reserve their own).
     pub fn reserve_buffers(&self, s: &Session) {
-        match &self.buckets {
-            Some(b) => b.reserve_receive_buffer(s),
-            None if self.reduce == Reduce::Ordered => {
-                s.reserve_receive_buffer(self.grad_shard.len() * s.world.size(), false)
-            }
-            None => {}
+        if self.reduce == Reduce::Ordered {
+            s.reserve_receive_buffer(self.grad_shard.len() * s.world.size(), false)
         }
-    }
-
-    /// The buckets under `--bucket-mb`.
-    pub fn buckets(&self) -> Option<&Buckets> {
-        self.buckets.as_ref()
     }
 
     // ANCHOR: step
@@ -109,26 +105,16 @@ impl DataParallel {
         // 1. forward/backward on my micro-batches, gradients summed in order (exercise 1.2)
         let vars = s.model.vars_in(&s.table, &self.params, self.precision)?;
         self.grads.reset();
-        let mine = s.my_micro_batches();
-        // (With buckets my last micro-batch goes apart: its backward all-reduces as it goes.)
-        let (summed, last) = match self.buckets {
-            Some(_) => (mine.start..mine.end - 1, Some(mine.end - 1)),
-            None => (mine, None),
-        };
-        let mut loss_sum = w.traced(
+        let loss_sum = w.traced(
             || "forward+backward of my micro-batches".into(),
-            || accumulate_micro_batches(s, &vars, step, summed, self.recompute, &mut self.grads),
+            || accumulate_micro_batches(s, &vars, step, s.my_micro_batches(), self.recompute, &mut self.grads),
         )?;
-        if let (Some(k), Some(b)) = (last, self.buckets.as_mut()) {
-            loss_sum += backward_in_buckets(s, &vars, step, k, self.recompute, &mut self.grads, b)? as f64;
-        }
         drop(vars);
 
         // 2. all-reduce: the sum over ranks (its reduce-scatter adds with `sum_received`), then the mean
-        let grads = match (self.buckets.as_mut(), self.reduce) {
-            (Some(b), _) => b.all_reduced(w, &mut self.grads), // handed to the stream in the backward
-            (None, Reduce::Ordered) => w.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
-            (None, Reduce::Native) => w.all_reduce_native(&mut self.grads.sums()[0]),
+        let grads = match self.reduce {
+            Reduce::Ordered => w.all_reduce_sum(&mut self.grads, &mut self.grad_shard),
+            Reduce::Native => w.all_reduce_native(&mut self.grads.sums()[0]),
         };
         let (m, grads) = (s.sampler.micro_batches, &mut grads[..numel]);
         scale(grads, m);
@@ -190,42 +176,15 @@ impl DataParallel {
         let numel = s.table.numel();
         let padded = ShardLayout::new(numel, s.world.size()).padded;
         let groups = s.sum_groups.per_rank();
-        let mut t = MemoryTally::new();
-        t.add("params (fp32)", numel, 4, "full copy on every rank")
-            .add("AdamW m", numel, 4, "full")
-            .add("AdamW v", numel, 4, "full")
-            .add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, &sums_note(s.sum_groups.buffers()));
+        let mut t = self.state_rows(s);
         let simulated = simulated_ranks.is_some(); // --accumulate: no all-to-all
-        match &self.buckets {
-            None => {
-                t.add("grad shard", self.grad_shard.len(), 4, "my 1/N inside the ordered all-reduce");
-                if let Some(len) = s.receive_buffer_len(padded).filter(|_| self.reduce == Reduce::Ordered && !simulated)
-                {
-                    t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, kept");
-                }
-            }
-            Some(b) => b.tally_rows(s, &mut t),
+        t.add("grad shard", self.grad_shard.len(), 4, "my 1/N inside the ordered all-reduce");
+        if let Some(len) = s.receive_buffer_len(padded).filter(|_| self.reduce == Reduce::Ordered && !simulated) {
+            t.add("all-to-all receive buffer", len, 4, "the reduce-scatter's input from every rank, kept");
         }
         s.data_tally(&mut t);
-        let (e, vars_note) = (self.precision.bytes(), "compute copy, rebuilt each step");
-        let vars_row = format!("params as candle Vars ({})", self.precision);
-        let add = "adding a micro-batch's gradients to the sum";
-        // With buckets my last micro-batch hands each block's gradient on as its backward ends; the
-        // others (all, without) are collected whole.
-        let whole = s.my_micro_batches().len() - usize::from(self.buckets.is_some());
-        let mut moments = match whole {
-            0 => vec![],
-            _ => s.whole_model_moments(e, self.recompute, "a micro-batch", add, &mut |_, m| {
-                m.add(&vars_row, numel, e, vars_note);
-            }),
-        };
-        if let Some(b) = &self.buckets {
-            // Each unit's gradient added to the sum as the unit is handed on.
-            moments.extend(b.last_micro_batch_moments(s, e, self.recompute, &mut |m| {
-                m.add(&vars_row, numel, e, vars_note);
-            }));
-        }
-        if groups > 1 && !simulated && self.buckets.is_none() {
+        let mut moments = self.whole_moments(s, s.my_micro_batches().len());
+        if groups > 1 && !simulated {
             let mut m = Moment::new("all-reduce of several group sums");
             m.add("send buffer", groups * padded, 4, "group sums packed per destination");
             moments.push(m);
@@ -237,6 +196,34 @@ impl DataParallel {
         }
         t.peak(moments);
         t
+    }
+
+    /// What a replica keeps: the fp32 params, AdamW's `m` and `v`, the gradient sums.
+    pub(crate) fn state_rows(&self, s: &Session) -> MemoryTally {
+        let numel = s.table.numel();
+        let padded = ShardLayout::new(numel, s.world.size()).padded;
+        let mut t = MemoryTally::new();
+        t.add("params (fp32)", numel, 4, "full copy on every rank")
+            .add("AdamW m", numel, 4, "full")
+            .add("AdamW v", numel, 4, "full")
+            .add("grad sums (fp32)", s.sum_groups.buffers() * padded, 4, &sums_note(s.sum_groups.buffers()));
+        t
+    }
+
+    /// The moments of `whole` micro-batches collected whole (none for 0),
+    /// each one's backward beside the compute copy.
+    pub(crate) fn whole_moments(&self, s: &Session, whole: usize) -> Vec<Moment> {
+        let (e, add) = (self.precision.bytes(), "adding a micro-batch's gradients to the sum");
+        match whole {
+            0 => vec![],
+            _ => s.whole_model_moments(e, self.recompute, "a micro-batch", add, &mut |_, m| self.vars_row(s, m)),
+        }
+    }
+
+    /// The compute copy's row, in every moment of the step.
+    pub(crate) fn vars_row(&self, s: &Session, m: &mut Moment) {
+        let vars_row = format!("params as candle Vars ({})", self.precision);
+        m.add(&vars_row, s.table.numel(), self.precision.bytes(), "compute copy, rebuilt each step");
     }
 }
 

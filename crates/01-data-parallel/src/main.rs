@@ -136,20 +136,29 @@ fn main() -> ExitCode {
         // The reduce-scatter inside the ordered all-reduce adds what the
         // all-to-all delivered with exercise 1.1 (the answer's unless --mine 1).
         world.set_rank_sum(step01_data_parallel::data_parallel::sum_received);
-        let mut dp = DataParallel::new(&s, start, args.reduce, args.precision, args.recompute, bucket_bytes)?;
-        if let Some(b) = dp.buckets() {
+        let (mut dp, mut buckets) = match bucket_bytes {
+            Some(cap) => {
+                let (dp, b) = DataParallel::with_buckets(&s, start, args.reduce, args.precision, args.recompute, cap)?;
+                (dp, Some(b))
+            }
+            None => (DataParallel::new(&s, start, args.reduce, args.precision, args.recompute)?, None),
+        };
+        if let Some(b) = &buckets {
             extra.push(("DDP buckets", step01_data_parallel::buckets::describe(b, args.bucket_mb.unwrap_or(0.0))));
         }
         s.print_config(&extra);
-        if accumulate.is_none() {
-            dp.reserve_buffers(&s);
+        match (&buckets, accumulate) {
+            (Some(b), _) => b.reserve_receive_buffer(&s), // on the stream's thread, where its reduce-scatters run
+            (None, None) => dp.reserve_buffers(&s),
+            (None, Some(_)) => {} // --accumulate adds the group sums itself
         }
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let mut checks = 0;
         for step in s.steps() {
-            let loss = match accumulate {
-                Some(_) => dp.accumulate_step(&s, step)?,
-                None => dp.step(&s, step)?,
+            let loss = match (accumulate, buckets.as_mut()) {
+                (Some(_), _) => dp.accumulate_step(&s, step)?,
+                (None, Some(b)) => dp.bucketed_step(&s, step, b)?,
+                (None, None) => dp.step(&s, step)?,
             };
             s.end_step(step, &mut run, loss, || dp.checkpoint_pieces(&s))?; // budget, checkpoint, stop
             if args.check_every > 0 && (step % args.check_every == 0 || step == s.args.steps) {
@@ -166,12 +175,16 @@ fn main() -> ExitCode {
         let n = world.size() as u64;
         let shard = 4 * s.table.numel().div_ceil(world.size()) as u64;
         let groups = s.sum_groups.per_rank() as u64; // sum groups of mine: that many reduce-scatters' bytes, one all-gather's
-        let mut report = Report::new(&s, &run, dp.tally(&s, accumulate));
+        let memory = match &buckets {
+            Some(b) => dp.bucketed_tally(&s, b),
+            None => dp.tally(&s, accumulate),
+        };
+        let mut report = Report::new(&s, &run, memory);
         report.expect_traffic(
             Collective::AllReduce,
-            dp.buckets().map_or((groups + 1) * (n - 1) * shard, |b| b.bytes_per_step()),
+            buckets.as_ref().map_or((groups + 1) * (n - 1) * shard, |b| b.bytes_per_step()),
         );
-        if let Some(b) = dp.buckets() {
+        if let Some(b) = &buckets {
             report.json("buckets", step01_data_parallel::buckets::buckets_json(b));
         }
         report.finish(Some(&dp.params))
