@@ -2,8 +2,9 @@
 # `just diff NN`: what lesson NN adds over the lesson before it.
 #  1. its step — the `// ANCHOR: step` region of its idea file — against the
 #     previous lesson's: the algorithm's change, and nothing around it;
-#  2. the files it has that the previous lesson has no counterpart of, with
-#     their opening line and length.
+#  2. the files beside its idea file — each speed or scale feature, the
+#     accounting — with their opening line and length, marked where the
+#     previous lesson has a file of the same name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nn=${1:?usage: lesson-diff.sh NN}
@@ -20,13 +21,13 @@ step "$(idea "$prev")" > "$a"; step "$(idea "$cur")" > "$b"
 echo "== the step: $(idea "$prev") → $(idea "$cur")"
 diff -U2 --label "lesson ${prev#crates/}" --label "lesson ${cur#crates/}" "$a" "$b" || true
 echo
-echo "== what lesson $nn has besides (files with no counterpart in lesson ${prev#crates/})"
+echo "== what lesson $nn has beside its idea file (main.rs, lib.rs and exercises.rs aside)"
 besides=0
 for f in $(cd "$cur" && find src -name '*.rs' | sort); do
     case "$f" in src/main.rs|src/lib.rs|src/exercises.rs) continue ;; esac
     [ "$cur/$f" = "$(idea "$cur")" ] && continue
-    [ -e "$prev/$f" ] && continue
-    printf '  %-40s %4d lines  %s\n' "$cur/$f" "$(wc -l < "$cur/$f")" "$(grep -m1 '^//!' "$cur/$f" | sed 's|^//! *||')"
+    also=""; [ -e "$prev/$f" ] && also=" (lesson ${prev#crates/} has one too)"
+    printf '  %-48s %4d lines  %s%s\n' "$cur/$f" "$(wc -l < "$cur/$f")" "$(grep -m1 '^//!' "$cur/$f" | sed 's|^//! *||')" "$also"
     besides=$((besides + 1))
 done
-[ "$besides" -gt 0 ] || echo "  none: its idea file, main.rs, lib.rs and exercises.rs have counterparts in lesson ${prev#crates/}"
+[ "$besides" -gt 0 ] || echo "  none: its idea file, main.rs, lib.rs and exercises.rs are all it has"

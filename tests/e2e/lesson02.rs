@@ -82,8 +82,9 @@ fn a_nan_is_never_read_as_zero_divergence() {
     assert!(stdout.contains("│ max |sharded − replicated| │ NaN over 2 steps │"), "{stdout}");
 }
 
-/// `just diff NN`: the step's change, then the files lesson NN has besides;
-/// lesson 02 has none, and says so rather than printing an empty section.
+/// `just diff NN`: the step's change, then the files beside the idea file —
+/// each speed or scale feature (lesson 02's buckets and `--check`) and the
+/// accounting — named even where the lesson before has one of the same name.
 #[test]
 fn just_diff_names_what_each_lesson_adds() {
     let diff = |nn: &str| {
@@ -92,15 +93,16 @@ fn just_diff_names_what_each_lesson_adds() {
     };
     let d02 = diff("02");
     assert!(d02.contains("== the step: crates/01-data-parallel/src/data_parallel.rs → crates/02-whole-model-shard/src/whole_model_shard.rs"), "{d02}");
-    let besides = d02.split("== what lesson 02 has besides").nth(1).unwrap_or_default();
+    let besides = d02.split("== what lesson 02 has beside its idea file").nth(1).unwrap_or_default();
     assert!(
-        besides.contains(
-            "  none: its idea file, main.rs, lib.rs and exercises.rs have counterparts in lesson 01-data-parallel"
-        ),
+        besides.contains("crates/02-whole-model-shard/src/buckets.rs")
+            && besides.contains("(lesson 01-data-parallel has one too)")
+            && besides.contains("crates/02-whole-model-shard/src/check.rs"),
         "{d02}"
     );
+    assert!(!besides.contains("none:"), "{d02}");
     let d03 = diff("03");
-    let besides = d03.split("== what lesson 03 has besides").nth(1).unwrap_or_default();
+    let besides = d03.split("== what lesson 03 has beside its idea file").nth(1).unwrap_or_default();
     assert!(
         besides.contains("crates/03-layerwise-shard/src/units.rs")
             && besides.contains("crates/03-layerwise-shard/src/tally.rs"),

@@ -15,7 +15,7 @@ use fsdp_harness::plot::{Chart, Series};
 use fsdp_harness::report::points_from;
 use fsdp_harness::table::{Table, mb, sci, thousands};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, print0};
-use step02_whole_model_shard::WholeModelShard;
+use step02_whole_model_shard::{Reference, WholeModelShard};
 
 const LESSON: Lesson = Lesson {
     package: "step02-whole-model-shard",
@@ -70,23 +70,36 @@ fn main() -> ExitCode {
             // DDP's buckets go to a communication thread of their own, on every rank.
             s.start_stream()?;
         }
-        let mut fsdp = WholeModelShard::new(&s, &start, check, args.recompute, bucket_bytes)?;
+        // My shard, then (--check) lesson 01's whole state beside it, then the step's buffers.
+        let shard = WholeModelShard::read_shard(&s, &start)?;
+        let mut reference = check.then(|| Reference::new(&s, &start, args.check_probe)).transpose()?;
+        let (mut fsdp, mut buckets) = match bucket_bytes {
+            Some(cap) => {
+                let (fsdp, b) = WholeModelShard::with_buckets(&s, shard, args.recompute, cap);
+                (fsdp, Some(b))
+            }
+            None => (WholeModelShard::from_shard(&s, shard, args.recompute), None),
+        };
         let mut rows = vec![
             ("check against replicated", if check { "every step".into() } else { "off (--no-check)".into() }),
             ("activations", recompute_note(args.recompute)),
         ];
-        if let Some(b) = fsdp.buckets() {
+        if let Some(b) = &buckets {
             rows.push(("DDP buckets", step01_data_parallel::buckets::describe(b, args.bucket_mb.unwrap_or(0.0))));
         }
         s.print_config(&rows);
-        fsdp.probe = args.check_probe;
         drop(start); // my shard is read: the start's source goes
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         let (mut ref_losses, mut divergence) = (vec![], vec![]);
         for step in s.steps() {
-            let r = fsdp.step(&s, step, &mut MemoryTimeline::off())?;
-            s.end_step(step, &mut run, r.loss, || fsdp.checkpoint_pieces(&s))?; // budget, checkpoint, stop
-            if let (Some(l), Some(d)) = (r.reference_loss, r.divergence) {
+            let loss = match buckets.as_mut() {
+                Some(b) => fsdp.bucketed_step(&s, step, &mut MemoryTimeline::off(), b)?,
+                None => fsdp.step(&s, step, &mut MemoryTimeline::off())?,
+            };
+            // --check, inside the step's time (before its end: a checkpoint, a stop)
+            let checked = reference.as_mut().map(|r| r.step(&s, step, &mut fsdp)).transpose()?;
+            s.end_step(step, &mut run, loss, || fsdp.checkpoint_pieces(&s))?; // budget, checkpoint, stop
+            if let Some((l, d)) = checked {
                 ref_losses.push(l);
                 divergence.push(d);
                 if step == s.first_step || step % s.args.log_every == 0 || step == s.args.steps {
@@ -119,14 +132,21 @@ fn main() -> ExitCode {
 
         let (shard, nn) = (4 * l.shard_len as u64, n as u64);
         let groups = s.sum_groups.per_rank() as u64; // sum groups of mine: that many reduce-scatters' bytes, one all-gather's
-        let mut report = Report::new(&s, &run, fsdp.tally(&s));
+        let mut memory = match &buckets {
+            Some(b) => fsdp.bucketed_tally(&s, b),
+            None => fsdp.tally(&s),
+        };
+        if let Some(r) = &reference {
+            r.tally_apart(&mut memory, l.numel);
+        }
+        let mut report = Report::new(&s, &run, memory);
         report
             .traffic(training_traffic)
             .table(t.render())
             .expect_traffic(Collective::AllGather, (nn - 1) * shard)
             .expect_traffic(
                 Collective::AllReduce,
-                fsdp.buckets().map_or((groups + 1) * (nn - 1) * shard, |b| b.bytes_per_step()),
+                buckets.as_ref().map_or((groups + 1) * (nn - 1) * shard, |b| b.bytes_per_step()),
             )
             .json("max_divergence", serde_json::json!(if check { Some(max_div) } else { None }))
             .json("divergence", serde_json::json!(divergence))

@@ -134,7 +134,7 @@ fn main() -> ExitCode {
 
         reserve_receive_buffers(&s, &units, args.prefetch); // on the stream's thread under --prefetch
         let mut fsdp = LayerwiseShard { units, prefetch, head_grad };
-        let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, false, true, None)).transpose()?; // recomputing, as this lesson does
+        let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, true)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes
         let mut timeline = MemoryTimeline::off();
         let mut divergence = vec![];
@@ -219,7 +219,7 @@ fn main() -> ExitCode {
             );
         }
         if !args.no_plot && !args.check {
-            let mut whole = WholeModelShard::new(&s, &s.seed_start(), false, true, None)?; // the same activation policy
+            let mut whole = WholeModelShard::new(&s, &s.seed_start(), true)?; // the same activation policy
             let mut whole_timeline = MemoryTimeline::off();
             whole_timeline.record(true);
             whole.step(&s, s.first_step, &mut whole_timeline)?;
