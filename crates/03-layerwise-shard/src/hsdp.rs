@@ -5,14 +5,16 @@
 //! all-gathers and reduce-scatters stay inside the node, and only each
 //! gradient shard's all-reduce crosses between nodes.
 //!
-//! Nothing here moves a byte: [`crate::units::FsdpUnit`] reduce-scatters in
-//! its shard group and all-reduces across its replica group
-//! ([`fsdp_comm::Mesh`]) when [`crate::units::UnitPolicy::hsdp`] is set.
-//! This file checks the flag, names the layout and reports what each group
-//! sent beside its theory.
+//! [`crate::units::FsdpUnit`] reduce-scatters in its shard group and, here,
+//! all-reduces across its replica group ([`all_reduce_shard`]; the mesh is
+//! [`fsdp_comm::Mesh`]) when [`crate::units::UnitPolicy::hsdp`] is set. This
+//! file also checks the flag, names the layout, counts what a reduction in
+//! flight holds, and reports what each group sent beside its theory.
 use anyhow::anyhow;
-use fsdp_comm::{Collective, ShardLayout, Traffic, World};
+use fsdp_comm::{Collective, Comm, ShardLayout, Traffic, World};
 use fsdp_harness::{Report, Session};
+
+use crate::units::FsdpUnit;
 
 /// `--hsdp S`, checked on every rank together: refused in one line where it cannot run.
 pub fn check(s: &Session, hsdp: Option<usize>) -> anyhow::Result<()> {
@@ -43,6 +45,40 @@ fn refusal(s: &Session, size: usize) -> Option<anyhow::Error> {
         return None;
     })
 }
+
+// ANCHOR: all_reduce_shard
+/// HSDP's step across the replica groups: `shard` becomes the sum over the
+/// R replicas of their `shard`s, ordered (a reduce-scatter of R parts, then
+/// an all-gather). The all-reduce cuts it into R equal parts, so a shard
+/// whose length R does not divide travels in a zero-padded copy; the
+/// all-reduce's own part (1/R) is transient either way.
+pub fn all_reduce_shard(replicas: &Comm, shard: &mut [f32]) {
+    let r = replicas.size();
+    let padded = shard.len().next_multiple_of(r);
+    let mut part = vec![0.0; padded / r];
+    if padded == shard.len() {
+        return replicas.all_reduce(shard, &mut part);
+    }
+    let mut buf = shard.to_vec();
+    buf.resize(padded, 0.0);
+    replicas.all_reduce(&mut buf, &mut part);
+    shard.copy_from_slice(&buf[..shard.len()]);
+}
+// ANCHOR_END: all_reduce_shard
+
+// ANCHOR: in_flight_part
+/// Under HSDP with the stream, a unit's reduction in flight holds, beyond
+/// its sums, the replica all-reduce's part: 1/R of its shard (padded to R
+/// parts). The tally's row for it, `(category, elements, note)`.
+pub fn in_flight_part(s: &Session, u: &FsdpUnit) -> Option<(String, usize, &'static str)> {
+    let size = u.policy.hsdp.filter(|_| u.policy.overlap)?;
+    let r = s.world.size() / size;
+    (r > 1).then(|| {
+        let part = u.layout.shard_len.div_ceil(r);
+        (format!("{}'s replica all-reduce part (fp32)", u.name), part, "1/R of its shard, in flight with it")
+    })
+}
+// ANCHOR_END: in_flight_part
 
 /// The config table's "sharding" row.
 pub fn describe(n: usize, hsdp: Option<usize>) -> String {

@@ -20,11 +20,8 @@
 //! the next K entries' units ahead: two, or `--prefetch-depth K`).
 //!
 //! The tied `wte` gets its lm_head part at the head and its embedding part
-//! at the very end, combined the way candle's whole-graph backward combines
-//! them, so the weights stay lesson 01's, bit for bit. In between, a rank
-//! holds per micro-batch either that lm_head part (V, C) or the head's input
-//! (B, T, C), recomputing the head at the end: [`HeadGrad`], whichever is
-//! smaller.
+//! at the very end, so the weights stay lesson 01's, bit for bit; what a
+//! rank holds in between is [`HeadGrad`] (`head_grad.rs`).
 use std::collections::VecDeque;
 
 use anyhow::Context;
@@ -35,7 +32,9 @@ use fsdp_gpt::model::{add_into, loss as cross_entropy};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_harness::{MemoryTimeline, Session, exercise};
 
-use crate::units::{FsdpUnit, Unsharding, one_in_flight};
+use crate::head_grad::HeadGrad;
+use crate::prefetch::{Unsharding, gathered_ahead, one_in_flight};
+use crate::units::FsdpUnit;
 
 /// One entry of the schedule: what is done with which unit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,66 +52,6 @@ pub enum Phase {
     /// then the root's gradient is reduce-scattered. It needs no weights,
     /// unless the head is recomputed here ([`HeadGrad::Recompute`]).
     EmbedBackward(HeadGrad),
-}
-
-// ANCHOR: head_grad
-/// Where the tied `wte`'s lm_head gradient waits for its embedding part.
-/// Candle's one backward forms `wte`'s gradient per micro-batch as the
-/// lm_head part with the token rows index-added onto it, and micro-batches
-/// are summed as whole gradients; so each micro-batch's lm_head part must
-/// exist whole when its rows arrive, at the very end of the step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HeadGrad {
-    /// Hold the lm_head part, (V, C) per micro-batch, from the head to the
-    /// embedding's backward.
-    Keep,
-    /// Hold the head's input, (B, T, C) per micro-batch, and recompute the
-    /// head at the embedding's backward: the root is gathered a third time,
-    /// and the head runs forward and backward twice.
-    Recompute,
-}
-// ANCHOR_END: head_grad
-
-impl HeadGrad {
-    /// All-gathers of the root per step: the embedding and the head, and
-    /// the head again when it is recomputed.
-    pub fn root_gathers(self) -> usize {
-        match self {
-            HeadGrad::Keep => 2,
-            HeadGrad::Recompute => 3,
-        }
-    }
-
-    /// The flag's word for it.
-    pub fn name(self) -> &'static str {
-        match self {
-            HeadGrad::Keep => "keep",
-            HeadGrad::Recompute => "recompute",
-        }
-    }
-
-    /// For the config table.
-    pub fn describe(self, micro_batch: (usize, usize), c: usize, vocab: usize) -> String {
-        let (held, shape) = match self {
-            HeadGrad::Keep => ("its lm_head part kept", format!("(V, C) = {vocab} × {c}")),
-            HeadGrad::Recompute => (
-                "the head recomputed at the end",
-                format!("input (B, T, C) = {} × {} × {c}", micro_batch.0, micro_batch.1),
-            ),
-        };
-        format!("{held}: {shape} per micro-batch")
-    }
-}
-
-impl std::str::FromStr for HeadGrad {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "keep" => Ok(HeadGrad::Keep),
-            "recompute" => Ok(HeadGrad::Recompute),
-            _ => Err(format!("unknown --head-grad {s:?}: pass keep or recompute (or leave it out: the smaller)")),
-        }
-    }
 }
 
 impl Phase {
@@ -151,76 +90,6 @@ pub fn schedule(block_units: usize, head: HeadGrad) -> Vec<Phase> {
     s.extend((1..=block_units).rev().map(Phase::Backward));
     s.push(Phase::EmbedBackward(head));
     s
-}
-
-// ANCHOR: gathered_ahead
-/// The entries of `plan` whose all-gathers are in flight on the stream
-/// while entry `at` computes, `depth` entries ahead (`--prefetch`: 2, or 1
-/// where memory does not allow two; `--prefetch-depth K`: K; 0 without prefetch): of the next `depth`
-/// entries, those that need weights (the embedding's backward does not).
-/// The step hands them over; the tally counts their buffers.
-pub fn gathered_ahead(plan: &[Phase], at: usize, depth: usize) -> impl Iterator<Item = usize> + '_ {
-    (at + 1..plan.len().min(at + 1 + depth)).filter(|&i| plan[i].needs_weights())
-}
-// ANCHOR_END: gathered_ahead
-
-/// How far `--prefetch` reaches unless `--prefetch-depth` says: the units
-/// of the next two entries, memory allowing ([`crate::tally::prefetch_within_budget`]).
-/// One ahead (FSDP2's implicit prefetch) leaves the wire idle wherever an
-/// entry's compute outlasts the next gather with nothing else to send: while
-/// the last block's forward runs (only the root's small gather is next), and
-/// through the first backward entry (no gradient is ready to reduce-scatter
-/// yet). A second gather in flight fills those gaps, for one more unit
-/// unsharded (FSDP1's `limit_all_gathers` kept two: this unit and the next).
-pub const DEFAULT_PREFETCH_DEPTH: usize = 2;
-
-/// `--prefetch` and `--prefetch-depth` as the command line gives them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Prefetch {
-    /// Entries gathered ahead: 0 without `--prefetch`, K with `--prefetch-depth K`, else
-    /// [`DEFAULT_PREFETCH_DEPTH`] (which the budget may lower).
-    pub depth: usize,
-    /// Whether `--prefetch-depth` set it: then it is kept as given.
-    pub given: bool,
-}
-
-/// The config table's line for the entries gathered ahead: `depth`, the
-/// one in use, and what was `asked` for.
-pub fn describe_prefetch(depth: usize, asked: Prefetch) -> String {
-    let lowered = match depth < asked.depth {
-        true => format!(" ({} would take the tally's peak past --mem-budget)", asked.depth),
-        false => String::new(),
-    };
-    match depth {
-        0 => "off".into(),
-        1 => format!("on: the next unit gathered, the last reduce-scattered on the communication stream{lowered}"),
-        k => format!("on: the next {k} entries' units gathered, the last reduce-scattered on the communication stream"),
-    }
-}
-
-/// The entries gathered ahead for `--prefetch` and `--prefetch-depth K`:
-/// none without prefetch, K when given, [`DEFAULT_PREFETCH_DEPTH`] else. K
-/// without `--prefetch`, 0, or K past the end of the step's schedule for
-/// `block_units` block units (where the first entry already has every other
-/// ahead of it) is refused in one line.
-pub fn prefetch_depth(prefetch: bool, depth: Option<usize>, block_units: usize) -> anyhow::Result<Prefetch> {
-    let most = schedule(block_units, HeadGrad::Keep).len() - 1; // ahead of the first entry
-    match (prefetch, depth) {
-        (false, None) => Ok(Prefetch { depth: 0, given: false }),
-        (false, Some(k)) => anyhow::bail!("--prefetch-depth {k} sets how far --prefetch reaches: add --prefetch"),
-        (true, Some(0)) => {
-            anyhow::bail!(
-                "--prefetch-depth 0: pass 1 or more units ahead ({DEFAULT_PREFETCH_DEPTH} is --prefetch's default), or leave out --prefetch"
-            )
-        }
-        (true, Some(k)) if k > most => anyhow::bail!(
-            "--prefetch-depth {k} reaches past the step's schedule: its {} entries (the embedding, {block_units} block units \
-             forward and backward, the head, the embedding's backward) leave at most {most} ahead of any: pass 1 to {most}",
-            most + 1
-        ),
-        (true, Some(k)) => Ok(Prefetch { depth: k, given: true }),
-        (true, None) => Ok(Prefetch { depth: DEFAULT_PREFETCH_DEPTH, given: false }),
-    }
 }
 
 /// What travels between the schedule's entries, per micro-batch of mine.
@@ -327,27 +196,6 @@ impl LayerwiseShard {
         Ok((w.sum_f64(&[c.loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
     }
     // ANCHOR_END: step
-
-    /// Every unit's gradient digest ([`FsdpUnit::grad_digest`]), in the
-    /// order the backward finishes them: the last block first, the root last.
-    pub fn grad_digests(&self) -> Vec<(String, String)> {
-        self.units.iter().rev().map(|u| (u.name().to_string(), format!("{:016x}", u.grad_digest()))).collect()
-    }
-
-    /// My shard of every unit, for a checkpoint.
-    pub fn checkpoint_pieces(&self) -> Vec<fsdp_harness::checkpoint::ShardPiece<'_>> {
-        self.units.iter().map(FsdpUnit::checkpoint_piece).collect()
-    }
-
-    /// The full weights in the model's flat order, gathered unit by unit
-    /// (every rank calls; all get them).
-    pub fn gather_full(&self, s: &Session) -> Vec<f32> {
-        let mut full = vec![0.0; s.table.numel()];
-        for u in &self.units {
-            u.place(&s.table, &u.gather_master(s.world), &mut full);
-        }
-        full
-    }
 }
 
 // ANCHOR: phases
@@ -457,45 +305,3 @@ pub fn run_blocks(s: &Session, unit: &FsdpUnit, p: &[Tensor], x: &Tensor) -> any
     Ok(x)
 }
 // ANCHOR_END: phases
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// What is in flight while an entry computes: the next K entries that
-    /// need weights — across the forward, the head and the backward alike,
-    /// never the embedding's backward, which needs none (unless it recomputes the head).
-    #[test]
-    fn the_gathers_in_flight_are_the_next_k_entries_that_need_weights() {
-        // E F1 F2 F3 F4 H B4 B3 B2 B1 EB: entries 0 to 10
-        let plan = schedule(4, HeadGrad::Keep);
-        let ahead = |at, k| gathered_ahead(&plan, at, k).collect::<Vec<_>>();
-        assert_eq!(ahead(0, 0), Vec::<usize>::new(), "no prefetch");
-        assert_eq!(ahead(0, 1), [1]);
-        assert_eq!(ahead(4, 1), [5], "the last forward: the head's root");
-        assert_eq!(ahead(4, 2), [5, 6], "… and the last block again, for its backward");
-        assert_eq!(ahead(8, 2), [9], "B2: B1, not the embedding's backward");
-        assert_eq!(ahead(9, 1), Vec::<usize>::new());
-        assert_eq!(ahead(7, 9), [8, 9], "never past the schedule");
-        let recompute = schedule(4, HeadGrad::Recompute);
-        assert_eq!(gathered_ahead(&recompute, 9, 1).collect::<Vec<_>>(), [10], "the head recomputed needs the root");
-    }
-
-    #[test]
-    fn the_prefetch_depth_needs_prefetch_and_reaches_within_the_schedule() {
-        let depth = |p, d| prefetch_depth(p, d, 4).map(|p| (p.depth, p.given)).unwrap();
-        assert_eq!(depth(false, None), (0, false));
-        assert_eq!(depth(true, None), (DEFAULT_PREFETCH_DEPTH, false), "the default, which the budget may lower");
-        assert_eq!(depth(true, Some(1)), (1, true));
-        assert_eq!(depth(true, Some(2)), (2, true));
-        assert!(prefetch_depth(false, Some(2), 4).unwrap_err().to_string().contains("add --prefetch"));
-        assert!(prefetch_depth(true, Some(0), 4).unwrap_err().to_string().contains("pass 1 or more"));
-        // 4 block units: E F1 F2 F3 F4 H B4 B3 B2 B1 EB, so 10 entries lie ahead of the first.
-        assert_eq!(depth(true, Some(10)), (10, true));
-        let past = prefetch_depth(true, Some(11), 4).unwrap_err().to_string();
-        assert!(
-            past.contains("--prefetch-depth 11") && past.contains("its 11 entries") && past.contains("pass 1 to 10"),
-            "{past}"
-        );
-    }
-}

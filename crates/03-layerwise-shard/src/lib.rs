@@ -16,12 +16,16 @@
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }
 //! ```
+pub mod head_grad;
 pub mod hsdp;
 pub mod layerwise_shard;
+pub mod prefetch;
+pub mod readout;
 pub mod tally;
 pub mod units;
 
-pub use layerwise_shard::{HeadGrad, LayerwiseShard, Phase, schedule};
+pub use head_grad::HeadGrad;
+pub use layerwise_shard::{LayerwiseShard, Phase, schedule};
 pub use units::{describe_reduce, reduce_flag};
 
 // The exercises: yours (src/exercises.rs) and the answers, with the same

@@ -17,8 +17,10 @@ use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
-use step03_layerwise_shard::tally::{bytes_per_step, prefetch_within_budget, tally, unsharded_peak_table};
-use step03_layerwise_shard::units::{UnitPolicy, build_units, reserve_receive_buffers};
+use step03_layerwise_shard::tally::{
+    bytes_per_step, prefetch_within_budget, reserve_receive_buffers, tally, units_json, unsharded_peak_table,
+};
+use step03_layerwise_shard::units::{UnitPolicy, build_units};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp};
 use step03_layerwise_shard::{describe_reduce, reduce_flag};
 
@@ -108,8 +110,7 @@ fn main() -> ExitCode {
         )?;
         hsdp::check(&s, args.hsdp)?;
         let block_units = layers.div_ceil(blocks_per_unit); // 1 to `layers` (checked above)
-        let asked =
-            step03_layerwise_shard::layerwise_shard::prefetch_depth(args.prefetch, args.prefetch_depth, block_units);
+        let asked = step03_layerwise_shard::prefetch::prefetch_depth(args.prefetch, args.prefetch_depth, block_units);
         let asked = fsdp_harness::lesson::agree(world, asked)?;
         if args.prefetch {
             // FSDP2's streams: a communication thread of its own, started on every rank together.
@@ -122,7 +123,7 @@ fn main() -> ExitCode {
         let (prefetch, head_grad) = prefetch_within_budget(&s, &units, asked, args.head_grad); // the same on every rank
         s.print_config(&[
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
-            ("prefetch", step03_layerwise_shard::layerwise_shard::describe_prefetch(prefetch, asked)),
+            ("prefetch", step03_layerwise_shard::prefetch::describe_prefetch(prefetch, asked)),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
             ("gradient reduce dtype", describe_reduce(args.reduce_dtype)),
             ("tied wte's gradient", head_grad.describe(s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size)),
@@ -197,7 +198,7 @@ fn main() -> ExitCode {
             .table(unsharded_peak_table(&fsdp.units, prefetch, head_grad).render())
             .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
             .json("divergence", serde_json::json!(divergence))
-            .json("units", step03_layerwise_shard::units::units_json(&fsdp.units))
+            .json("units", units_json(&fsdp.units))
             .json("head_grad", serde_json::json!(head_grad.name()))
             .json("memory_timeline", serde_json::json!(timeline.events));
         if args.check {

@@ -1,15 +1,18 @@
 //! What lesson 03 holds per rank, from shapes alone, and the bytes its
 //! collectives must move: the numbers the report prints beside the
 //! measured heap and the counted traffic.
-use fsdp_comm::ShardLayout;
+use fsdp_comm::{Group, ShardLayout};
 use fsdp_gpt::kernels::Probs;
 use fsdp_gpt::memory::block_activations;
 use fsdp_harness::memory_tally::{embedding_rows, pass_rows, tape_rows};
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
-use crate::layerwise_shard::{HeadGrad, Prefetch, gathered_ahead, schedule};
-use crate::units::{FsdpUnit, in_flight_part, receive_buffers};
+use crate::head_grad::HeadGrad;
+use crate::hsdp::in_flight_part;
+use crate::layerwise_shard::schedule;
+use crate::prefetch::{Prefetch, gathered_ahead};
+use crate::units::FsdpUnit;
 
 // ANCHOR: tally
 /// Bytes this rank holds, by category, from shapes: every unit's shards
@@ -350,3 +353,65 @@ pub fn bytes_per_step(units: &[ShardLayout], head: HeadGrad, gather_elem: usize,
 }
 
 // ANCHOR_END: traffic
+
+/// The units for report.json: name, elements, my shard's length.
+pub fn units_json(units: &[FsdpUnit]) -> serde_json::Value {
+    let one =
+        |u: &FsdpUnit| serde_json::json!({"name": u.name(), "elements": u.layout.numel, "shard": u.layout.shard_len});
+    serde_json::Value::Array(units.iter().map(one).collect())
+}
+
+/// The largest unit's padded length: what one unit-sized buffer must hold
+/// (the reduce-scatter's receive and send buffers, a prefetched unit).
+pub fn largest_padded(units: &[FsdpUnit]) -> usize {
+    units.iter().map(|u| u.layout().padded).max().unwrap_or(0)
+}
+
+/// The ordered reductions' receive buffers, as `(group, category,
+/// elements, note)`, kept from the first step on: the reduce-scatter's
+/// all-to-all input for the largest unit and, under HSDP, the replica
+/// all-reduce's, one shard long. What a tally counts and
+/// [`reserve_receive_buffers`] allocates.
+pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(Group, &'static str, usize, &'static str)> {
+    let (padded, shard) = (largest_padded(units), units.iter().map(|u| u.layout.shard_len).max().unwrap_or(0));
+    let Some(s_size) = units[0].policy.hsdp else {
+        let note = "the reduce-scatter's input from every rank, largest unit, kept";
+        return s
+            .receive_buffer_len(padded)
+            .map(|l| (Group::World, "all-to-all receive buffer", l, note))
+            .into_iter()
+            .collect();
+    };
+    let (groups, replicas) = (s.sum_groups.per_rank(), s.world.size() / s_size);
+    let mut v = vec![];
+    if s_size > 1 || groups > 1 {
+        let note = "the reduce-scatter's input from my shard group, largest unit, kept";
+        v.push((Group::Shard, "all-to-all receive buffer", groups * padded, note));
+    }
+    if replicas > 1 {
+        let len = shard.next_multiple_of(replicas); // padded to R equal parts
+        let note = "my shard from every replica group, largest unit, kept";
+        v.push((Group::Replica, "replica all-reduce receive buffer", len, note));
+    }
+    v
+}
+
+/// Allocates the receive buffers now ([`receive_buffers`]), as the tally
+/// counts them: on the communication stream's thread when the reductions go there.
+pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit], on_stream: bool) {
+    let Some(size) = units[0].policy.hsdp else {
+        return s.reserve_receive_buffer(largest_padded(units), on_stream);
+    };
+    let (w, mesh) = (s.world, s.world.mesh(size));
+    for (group, _, len, _) in receive_buffers(s, units) {
+        let parts = match group {
+            Group::Replica => mesh.replica.size(),
+            _ => s.sum_groups.per_rank() * size,
+        };
+        match (on_stream, group) {
+            (true, g) => w.reserve_stream_receive_buffer_in(g, len, parts),
+            (false, Group::Replica) => mesh.replica.reserve_receive_buffer(len, parts),
+            (false, _) => mesh.shard.reserve_receive_buffer(len, parts),
+        }
+    }
+}

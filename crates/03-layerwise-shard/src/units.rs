@@ -7,16 +7,16 @@
 //! that is used at both ends of the model (PyTorch FSDP has the same rule:
 //! tied parameters share a unit). Units 1.. hold `blocks_per_unit`
 //! consecutive transformer blocks each.
-use std::borrow::Cow;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{Comm, Group, MicroBatchSum, Pending, ShardLayout, World};
+use fsdp_comm::{Comm, MicroBatchSum, Pending, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
 use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
-use fsdp_harness::checkpoint::ShardPiece;
 use fsdp_harness::{Session, Start, exercise};
+
+use crate::hsdp::all_reduce_shard;
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
@@ -69,48 +69,28 @@ impl Default for UnitPolicy {
     }
 }
 
-/// A unit's all-gather in flight on the communication stream.
-pub enum Unsharding {
-    F32(Pending<Vec<f32>>),
-    Bf16(Pending<Vec<u16>>),
-}
-
-impl Unsharding {
-    /// Waits for the gather: the whole unit, as [`FsdpUnit::unshard`] gives it.
-    pub fn wait(self, w: &World) -> candle_core::Result<Tensor> {
-        match self {
-            Unsharding::F32(p) => {
-                let full = p.wait(w);
-                let n = full.len();
-                Tensor::from_vec(full, n, &Device::Cpu)
-            }
-            Unsharding::Bf16(p) => bf16_tensor(p.wait(w)),
-        }
-    }
-}
-
 /// One unit on one rank: everything about it is sharded between steps.
 pub struct FsdpUnit {
-    name: String,
+    pub(crate) name: String,
     /// Parameter-table entries, in the unit's flat order.
-    params: Vec<usize>,
+    pub(crate) params: Vec<usize>,
     /// Where each entry of `params` sits in the unit's flat vector.
-    ranges: Vec<Range<usize>>,
+    pub(crate) ranges: Vec<Range<usize>>,
     /// How many blocks the unit runs (0 for the root).
-    blocks: usize,
-    layout: ShardLayout,
+    pub(crate) blocks: usize,
+    pub(crate) layout: ShardLayout,
     /// My shard of the unit's fp32 weights (padding included).
-    master: Vec<f32>,
+    pub(crate) master: Vec<f32>,
     /// My shard of the unit's gradient, after the reduce-scatter …
-    grad: Vec<f32>,
+    pub(crate) grad: Vec<f32>,
     /// … or, while the reduce-scatter is in flight on the stream, where it
     /// will come from (the shard's buffer travels with it).
-    reducing: Option<Pending<Vec<f32>>>,
+    pub(crate) reducing: Option<Pending<Vec<f32>>>,
     /// AdamW on my shard only: `m` and `v` are 1/N of the unit each.
-    opt: AdamW,
-    policy: UnitPolicy,
+    pub(crate) opt: AdamW,
+    pub(crate) policy: UnitPolicy,
     /// `reshard_after_forward: false`: the unsharded parameters, kept.
-    unsharded: Option<Tensor>,
+    pub(crate) unsharded: Option<Tensor>,
 }
 
 impl FsdpUnit {
@@ -163,12 +143,6 @@ impl FsdpUnit {
         &self.name
     }
 
-    /// The digest of my shard of the unit's last gradient, as the update
-    /// used it (the mean, clipped under --grad-clip): the exercises' checks
-    /// name the first unit whose gradient differs from the answer's.
-    pub fn grad_digest(&self) -> u64 {
-        fsdp_gpt::params::digest_f32(&self.grad)
-    }
     /// Parameter-table entries, in the unit's flat order.
     pub fn params(&self) -> &[usize] {
         &self.params
@@ -191,17 +165,6 @@ impl FsdpUnit {
     /// Whether using the unit needs an all-gather (else its parameters are kept unsharded).
     pub fn gathers(&self) -> bool {
         self.policy.reshard_after_forward
-    }
-
-    /// My shard of the weights and of AdamW's state, for a checkpoint.
-    pub fn checkpoint_piece(&self) -> ShardPiece<'_> {
-        ShardPiece {
-            name: self.name.clone(),
-            params: self.params.clone(),
-            master: Cow::Borrowed(&self.master),
-            m: Cow::Borrowed(&self.opt.m),
-            v: Cow::Borrowed(&self.opt.v),
-        }
     }
 
     /// FSDP2's *unshard*: the unit's full weights in the param dtype, as
@@ -235,33 +198,7 @@ impl FsdpUnit {
             other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
         }
     }
-
-    /// The same all-gather, handed to the communication stream: FSDP2's
-    /// unshard issued ahead (prefetch). My shard is copied in (rounded to
-    /// bf16 under a bf16 `param_dtype`), as FSDP2 copies into its
-    /// all-gather input; [`Unsharding::wait`] gives the unit.
-    pub fn unshard_async(&self, w: &World) -> candle_core::Result<Unsharding> {
-        let n = self.layout.padded;
-        let label = || format!("all_gather {}", self.name);
-        let g = if self.policy.hsdp.is_some() { Group::Shard } else { Group::World }; // where the shards are
-        match self.policy.param_dtype {
-            DType::F32 => {
-                Ok(Unsharding::F32(w.all_gather_async_in(g, self.master.clone(), vec![0.0; n]).label(w, label)))
-            }
-            DType::BF16 => Ok(Unsharding::Bf16(
-                w.all_gather_async_in(g, (self.policy.bf16_wire)(&self.master), vec![0; n]).label(w, label),
-            )),
-            other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
-        }
-    }
     // ANCHOR_END: gather
-
-    /// The fp32 master weights of the whole unit (for the final weights file).
-    pub fn gather_master(&self, w: &World) -> Vec<f32> {
-        let mut full = vec![0.0; self.layout.padded];
-        groups(w, self.policy).0.all_gather(&self.master, &mut full);
-        full
-    }
 
     /// **reduce-scatter** the unit's gradient sum over my micro-batches
     /// (padded, whole unit): I keep my shard of the sum over all ranks.
@@ -325,34 +262,7 @@ impl FsdpUnit {
         }
         Ok(())
     }
-
-    /// Copies a gathered unit's parameters to their places in the model's flat vector.
-    pub fn place(&self, table: &ParamTable, gathered: &[f32], model: &mut [f32]) {
-        for (&i, r) in self.params.iter().zip(&self.ranges) {
-            model[table.specs[i].range()].copy_from_slice(&gathered[r.clone()]);
-        }
-    }
 }
-
-// ANCHOR: all_reduce_shard
-/// HSDP's step across the replica groups: `shard` becomes the sum over the
-/// R replicas of their `shard`s, ordered (a reduce-scatter of R parts, then
-/// an all-gather). The all-reduce cuts it into R equal parts, so a shard
-/// whose length R does not divide travels in a zero-padded copy; the
-/// all-reduce's own part (1/R) is transient either way.
-pub fn all_reduce_shard(replicas: &Comm, shard: &mut [f32]) {
-    let r = replicas.size();
-    let padded = shard.len().next_multiple_of(r);
-    let mut part = vec![0.0; padded / r];
-    if padded == shard.len() {
-        return replicas.all_reduce(shard, &mut part);
-    }
-    let mut buf = shard.to_vec();
-    buf.resize(padded, 0.0);
-    replicas.all_reduce(&mut buf, &mut part);
-    shard.copy_from_slice(&buf[..shard.len()]);
-}
-// ANCHOR_END: all_reduce_shard
 
 /// The ranks a unit is sharded over — the world, or under HSDP my shard
 /// group — and, under HSDP, my replica group.
@@ -373,30 +283,6 @@ impl<'w> Groups<'w> {
     /// Both, for a blocking reduction; under overlap none (the stream's own groups reduce).
     fn into_blocking(self, overlap: bool) -> (&'w Comm, Option<&'w Comm>) {
         (self.0, self.1.filter(|_| !overlap))
-    }
-}
-
-// ANCHOR: in_flight_part
-/// Under HSDP with the stream, a unit's reduction in flight holds, beyond
-/// its sums, the replica all-reduce's part: 1/R of its shard (padded to R
-/// parts). The tally's row for it, `(category, elements, note)`.
-pub fn in_flight_part(s: &Session, u: &FsdpUnit) -> Option<(String, usize, &'static str)> {
-    let size = u.policy.hsdp.filter(|_| u.policy.overlap)?;
-    let r = s.world.size() / size;
-    (r > 1).then(|| {
-        let part = u.layout.shard_len.div_ceil(r);
-        (format!("{}'s replica all-reduce part (fp32)", u.name), part, "1/R of its shard, in flight with it")
-    })
-}
-// ANCHOR_END: in_flight_part
-
-/// Unit `u`'s reduce-scatter is next: the one in flight before it
-/// (`reducing`, the unit it was) is waited for first, so that one is in
-/// flight at a time — what the tally's one "reducing" row counts. Without
-/// overlap nothing is ever in flight and this only notes `u`.
-pub fn one_in_flight(units: &mut [FsdpUnit], reducing: &mut Option<usize>, u: usize, w: &World) {
-    if let Some(previous) = reducing.replace(u).filter(|&p| p != u) {
-        units[previous].wait_grad(w);
     }
 }
 
@@ -436,68 +322,6 @@ pub fn describe_reduce(dtype: fsdp_comm::ReduceDtype) -> String {
         fsdp_comm::ReduceDtype::F32 => "fp32, summed as a fixed pairwise tree".into(),
         fsdp_comm::ReduceDtype::Bf16 => {
             "bf16: every sum of the fixed pairwise tree rounded to bf16, 2 bytes per element reduce-scattered".into()
-        }
-    }
-}
-
-/// The units for report.json: name, elements, my shard's length.
-pub fn units_json(units: &[FsdpUnit]) -> serde_json::Value {
-    let one =
-        |u: &FsdpUnit| serde_json::json!({"name": u.name(), "elements": u.layout.numel, "shard": u.layout.shard_len});
-    serde_json::Value::Array(units.iter().map(one).collect())
-}
-
-/// The largest unit's padded length: what one unit-sized buffer must hold
-/// (the reduce-scatter's receive and send buffers, a prefetched unit).
-pub fn largest_padded(units: &[FsdpUnit]) -> usize {
-    units.iter().map(|u| u.layout().padded).max().unwrap_or(0)
-}
-
-/// The ordered reductions' receive buffers, as `(group, category,
-/// elements, note)`, kept from the first step on: the reduce-scatter's
-/// all-to-all input for the largest unit and, under HSDP, the replica
-/// all-reduce's, one shard long. What a tally counts and
-/// [`reserve_receive_buffers`] allocates.
-pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(Group, &'static str, usize, &'static str)> {
-    let (padded, shard) = (largest_padded(units), units.iter().map(|u| u.layout.shard_len).max().unwrap_or(0));
-    let Some(s_size) = units[0].policy.hsdp else {
-        let note = "the reduce-scatter's input from every rank, largest unit, kept";
-        return s
-            .receive_buffer_len(padded)
-            .map(|l| (Group::World, "all-to-all receive buffer", l, note))
-            .into_iter()
-            .collect();
-    };
-    let (groups, replicas) = (s.sum_groups.per_rank(), s.world.size() / s_size);
-    let mut v = vec![];
-    if s_size > 1 || groups > 1 {
-        let note = "the reduce-scatter's input from my shard group, largest unit, kept";
-        v.push((Group::Shard, "all-to-all receive buffer", groups * padded, note));
-    }
-    if replicas > 1 {
-        let len = shard.next_multiple_of(replicas); // padded to R equal parts
-        let note = "my shard from every replica group, largest unit, kept";
-        v.push((Group::Replica, "replica all-reduce receive buffer", len, note));
-    }
-    v
-}
-
-/// Allocates the receive buffers now ([`receive_buffers`]), as the tally
-/// counts them: on the communication stream's thread when the reductions go there.
-pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit], on_stream: bool) {
-    let Some(size) = units[0].policy.hsdp else {
-        return s.reserve_receive_buffer(largest_padded(units), on_stream);
-    };
-    let (w, mesh) = (s.world, s.world.mesh(size));
-    for (group, _, len, _) in receive_buffers(s, units) {
-        let parts = match group {
-            Group::Replica => mesh.replica.size(),
-            _ => s.sum_groups.per_rank() * size,
-        };
-        match (on_stream, group) {
-            (true, g) => w.reserve_stream_receive_buffer_in(g, len, parts),
-            (false, Group::Replica) => mesh.replica.reserve_receive_buffer(len, parts),
-            (false, _) => mesh.shard.reserve_receive_buffer(len, parts),
         }
     }
 }

@@ -17,7 +17,7 @@ use fsdp_comm::ReduceDtype;
 use fsdp_gpt::Precision;
 use fsdp_harness::config_table::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise};
-use step03_layerwise_shard::layerwise_shard::{describe_prefetch, prefetch_depth};
+use step03_layerwise_shard::prefetch::{describe_prefetch, prefetch_depth};
 use step03_layerwise_shard::tally::bytes_per_step;
 use step03_layerwise_shard::{HeadGrad, describe_reduce, hsdp, reduce_flag};
 use step04_optimizer_state_shard::OptimizerStateShard;
@@ -228,7 +228,7 @@ fn main() -> ExitCode {
                 side_by_side(shapes, 12.0).render()
             ))
             .json("stage", serde_json::json!(args.stage))
-            .json("units", step03_layerwise_shard::units::units_json(units))
+            .json("units", step03_layerwise_shard::tally::units_json(units))
             .json("head_grad", serde_json::json!((args.stage == 3).then(|| head_grad.name())))
             .json("precision", serde_json::json!(args.precision.to_string()))
             .json(

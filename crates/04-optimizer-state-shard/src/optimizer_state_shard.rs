@@ -24,11 +24,9 @@ use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
-use step03_layerwise_shard::layerwise_shard::Prefetch;
-use step03_layerwise_shard::tally::prefetch_within_budget;
-use step03_layerwise_shard::units::{
-    FsdpUnit, UnitPolicy, build_units, one_in_flight, reserve_receive_buffers, update_all,
-};
+use step03_layerwise_shard::prefetch::{Prefetch, one_in_flight};
+use step03_layerwise_shard::tally::{prefetch_within_budget, reserve_receive_buffers};
+use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, update_all};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 /// One rank's share of the training state at ZeRO stage `stage`.

@@ -4,7 +4,9 @@
 use fsdp_gpt::Unit;
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
-use step03_layerwise_shard::units::{FsdpUnit, in_flight_part, largest_padded, receive_buffers};
+use step03_layerwise_shard::hsdp::in_flight_part;
+use step03_layerwise_shard::tally::{largest_padded, receive_buffers};
+use step03_layerwise_shard::units::FsdpUnit;
 
 /// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
 pub const SCHEMES: [(u8, &str); 4] = [(0, "data parallel"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")];

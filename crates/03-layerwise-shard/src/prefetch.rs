@@ -1,0 +1,176 @@
+//! FSDP2's overlap (`--prefetch`): while an entry of the schedule computes,
+//! the all-gathers of the next entries' units run on the communication
+//! stream (`--prefetch-depth K` entries ahead, two by default), and each
+//! unit's reduce-scatter runs there while the next unit's backward computes.
+//! The blocking step of `layerwise_shard.rs` is the idea; this is the same
+//! step, with the waits moved to where the data is needed.
+use candle_core::{DType, Device, Tensor};
+use fsdp_comm::{Group, Pending, World};
+use fsdp_gpt::precision::bf16_tensor;
+
+use crate::head_grad::HeadGrad;
+use crate::layerwise_shard::{Phase, schedule};
+use crate::units::FsdpUnit;
+
+// ANCHOR: gathered_ahead
+/// The entries of `plan` whose all-gathers are in flight on the stream
+/// while entry `at` computes, `depth` entries ahead (`--prefetch`: 2, or 1
+/// where memory does not allow two; `--prefetch-depth K`: K; 0 without prefetch): of the next `depth`
+/// entries, those that need weights (the embedding's backward does not).
+/// The step hands them over; the tally counts their buffers.
+pub fn gathered_ahead(plan: &[Phase], at: usize, depth: usize) -> impl Iterator<Item = usize> + '_ {
+    (at + 1..plan.len().min(at + 1 + depth)).filter(|&i| plan[i].needs_weights())
+}
+// ANCHOR_END: gathered_ahead
+
+/// How far `--prefetch` reaches unless `--prefetch-depth` says: the units
+/// of the next two entries, memory allowing ([`crate::tally::prefetch_within_budget`]).
+/// One ahead (FSDP2's implicit prefetch) leaves the wire idle wherever an
+/// entry's compute outlasts the next gather with nothing else to send: while
+/// the last block's forward runs (only the root's small gather is next), and
+/// through the first backward entry (no gradient is ready to reduce-scatter
+/// yet). A second gather in flight fills those gaps, for one more unit
+/// unsharded (FSDP1's `limit_all_gathers` kept two: this unit and the next).
+pub const DEFAULT_PREFETCH_DEPTH: usize = 2;
+
+/// `--prefetch` and `--prefetch-depth` as the command line gives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefetch {
+    /// Entries gathered ahead: 0 without `--prefetch`, K with `--prefetch-depth K`, else
+    /// [`DEFAULT_PREFETCH_DEPTH`] (which the budget may lower).
+    pub depth: usize,
+    /// Whether `--prefetch-depth` set it: then it is kept as given.
+    pub given: bool,
+}
+
+/// The config table's line for the entries gathered ahead: `depth`, the
+/// one in use, and what was `asked` for.
+pub fn describe_prefetch(depth: usize, asked: Prefetch) -> String {
+    let lowered = match depth < asked.depth {
+        true => format!(" ({} would take the tally's peak past --mem-budget)", asked.depth),
+        false => String::new(),
+    };
+    match depth {
+        0 => "off".into(),
+        1 => format!("on: the next unit gathered, the last reduce-scattered on the communication stream{lowered}"),
+        k => format!("on: the next {k} entries' units gathered, the last reduce-scattered on the communication stream"),
+    }
+}
+
+/// The entries gathered ahead for `--prefetch` and `--prefetch-depth K`:
+/// none without prefetch, K when given, [`DEFAULT_PREFETCH_DEPTH`] else. K
+/// without `--prefetch`, 0, or K past the end of the step's schedule for
+/// `block_units` block units (where the first entry already has every other
+/// ahead of it) is refused in one line.
+pub fn prefetch_depth(prefetch: bool, depth: Option<usize>, block_units: usize) -> anyhow::Result<Prefetch> {
+    let most = schedule(block_units, HeadGrad::Keep).len() - 1; // ahead of the first entry
+    match (prefetch, depth) {
+        (false, None) => Ok(Prefetch { depth: 0, given: false }),
+        (false, Some(k)) => anyhow::bail!("--prefetch-depth {k} sets how far --prefetch reaches: add --prefetch"),
+        (true, Some(0)) => {
+            anyhow::bail!(
+                "--prefetch-depth 0: pass 1 or more units ahead ({DEFAULT_PREFETCH_DEPTH} is --prefetch's default), or leave out --prefetch"
+            )
+        }
+        (true, Some(k)) if k > most => anyhow::bail!(
+            "--prefetch-depth {k} reaches past the step's schedule: its {} entries (the embedding, {block_units} block units \
+             forward and backward, the head, the embedding's backward) leave at most {most} ahead of any: pass 1 to {most}",
+            most + 1
+        ),
+        (true, Some(k)) => Ok(Prefetch { depth: k, given: true }),
+        (true, None) => Ok(Prefetch { depth: DEFAULT_PREFETCH_DEPTH, given: false }),
+    }
+}
+
+/// A unit's all-gather in flight on the communication stream.
+pub enum Unsharding {
+    F32(Pending<Vec<f32>>),
+    Bf16(Pending<Vec<u16>>),
+}
+
+impl Unsharding {
+    /// Waits for the gather: the whole unit, as [`FsdpUnit::unshard`] gives it.
+    pub fn wait(self, w: &World) -> candle_core::Result<Tensor> {
+        match self {
+            Unsharding::F32(p) => {
+                let full = p.wait(w);
+                let n = full.len();
+                Tensor::from_vec(full, n, &Device::Cpu)
+            }
+            Unsharding::Bf16(p) => bf16_tensor(p.wait(w)),
+        }
+    }
+}
+
+impl FsdpUnit {
+    /// The same all-gather, handed to the communication stream: FSDP2's
+    /// unshard issued ahead (prefetch). My shard is copied in (rounded to
+    /// bf16 under a bf16 `param_dtype`), as FSDP2 copies into its
+    /// all-gather input; [`Unsharding::wait`] gives the unit.
+    pub fn unshard_async(&self, w: &World) -> candle_core::Result<Unsharding> {
+        let n = self.layout.padded;
+        let label = || format!("all_gather {}", self.name);
+        let g = if self.policy.hsdp.is_some() { Group::Shard } else { Group::World }; // where the shards are
+        match self.policy.param_dtype {
+            DType::F32 => {
+                Ok(Unsharding::F32(w.all_gather_async_in(g, self.master.clone(), vec![0.0; n]).label(w, label)))
+            }
+            DType::BF16 => Ok(Unsharding::Bf16(
+                w.all_gather_async_in(g, (self.policy.bf16_wire)(&self.master), vec![0; n]).label(w, label),
+            )),
+            other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
+        }
+    }
+}
+
+/// Unit `u`'s reduce-scatter is next: the one in flight before it
+/// (`reducing`, the unit it was) is waited for first, so that one is in
+/// flight at a time — what the tally's one "reducing" row counts. Without
+/// overlap nothing is ever in flight and this only notes `u`.
+pub fn one_in_flight(units: &mut [FsdpUnit], reducing: &mut Option<usize>, u: usize, w: &World) {
+    if let Some(previous) = reducing.replace(u).filter(|&p| p != u) {
+        units[previous].wait_grad(w);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What is in flight while an entry computes: the next K entries that
+    /// need weights — across the forward, the head and the backward alike,
+    /// never the embedding's backward, which needs none (unless it recomputes the head).
+    #[test]
+    fn the_gathers_in_flight_are_the_next_k_entries_that_need_weights() {
+        // E F1 F2 F3 F4 H B4 B3 B2 B1 EB: entries 0 to 10
+        let plan = schedule(4, HeadGrad::Keep);
+        let ahead = |at, k| gathered_ahead(&plan, at, k).collect::<Vec<_>>();
+        assert_eq!(ahead(0, 0), Vec::<usize>::new(), "no prefetch");
+        assert_eq!(ahead(0, 1), [1]);
+        assert_eq!(ahead(4, 1), [5], "the last forward: the head's root");
+        assert_eq!(ahead(4, 2), [5, 6], "… and the last block again, for its backward");
+        assert_eq!(ahead(8, 2), [9], "B2: B1, not the embedding's backward");
+        assert_eq!(ahead(9, 1), Vec::<usize>::new());
+        assert_eq!(ahead(7, 9), [8, 9], "never past the schedule");
+        let recompute = schedule(4, HeadGrad::Recompute);
+        assert_eq!(gathered_ahead(&recompute, 9, 1).collect::<Vec<_>>(), [10], "the head recomputed needs the root");
+    }
+
+    #[test]
+    fn the_prefetch_depth_needs_prefetch_and_reaches_within_the_schedule() {
+        let depth = |p, d| prefetch_depth(p, d, 4).map(|p| (p.depth, p.given)).unwrap();
+        assert_eq!(depth(false, None), (0, false));
+        assert_eq!(depth(true, None), (DEFAULT_PREFETCH_DEPTH, false), "the default, which the budget may lower");
+        assert_eq!(depth(true, Some(1)), (1, true));
+        assert_eq!(depth(true, Some(2)), (2, true));
+        assert!(prefetch_depth(false, Some(2), 4).unwrap_err().to_string().contains("add --prefetch"));
+        assert!(prefetch_depth(true, Some(0), 4).unwrap_err().to_string().contains("pass 1 or more"));
+        // 4 block units: E F1 F2 F3 F4 H B4 B3 B2 B1 EB, so 10 entries lie ahead of the first.
+        assert_eq!(depth(true, Some(10)), (10, true));
+        let past = prefetch_depth(true, Some(11), 4).unwrap_err().to_string();
+        assert!(
+            past.contains("--prefetch-depth 11") && past.contains("its 11 entries") && past.contains("pass 1 to 10"),
+            "{past}"
+        );
+    }
+}
