@@ -5,16 +5,18 @@
 //! all-gathers and reduce-scatters stay inside the node, and only each
 //! gradient shard's all-reduce crosses between nodes.
 //!
-//! [`crate::units::FsdpUnit`] reduce-scatters in its shard group and, here,
-//! all-reduces across its replica group ([`all_reduce_shard`]; the mesh is
-//! [`fsdp_comm::Mesh`]) when [`crate::units::UnitPolicy::hsdp`] is set. This
-//! file also checks the flag, names the layout, counts what a reduction in
-//! flight holds, and reports what each group sent beside its theory.
+//! `main` splits the mesh once ([`unit_comms`], [`fsdp_comm::Mesh`]) and
+//! hands every unit its shard group and its replica group
+//! ([`crate::units::UnitComms`]): a unit gathers and reduce-scatters in its
+//! shard group and then all-reduces its gradient shard across its replica
+//! group ([`all_reduce_shard`]). This file also checks the flag, names the
+//! layout, counts what a reduction in flight holds, and reports what each
+//! group sent beside its theory.
 use anyhow::anyhow;
-use fsdp_comm::{Collective, Comm, ShardLayout, Traffic, World};
+use fsdp_comm::{Collective, Comm, Group, ShardLayout, Traffic, World};
 use fsdp_harness::{Report, Session};
 
-use crate::units::FsdpUnit;
+use crate::units::{FsdpUnit, UnitComms};
 
 /// `--hsdp S`, checked on every rank together: refused in one line where it cannot run.
 pub fn check(s: &Session, hsdp: Option<usize>) -> anyhow::Result<()> {
@@ -71,14 +73,31 @@ pub fn all_reduce_shard(replicas: &Comm, shard: &mut [f32]) {
 /// its sums, the replica all-reduce's part: 1/R of its shard (padded to R
 /// parts). The tally's row for it, `(category, elements, note)`.
 pub fn in_flight_part(s: &Session, u: &FsdpUnit) -> Option<(String, usize, &'static str)> {
-    let size = u.policy.hsdp.filter(|_| u.policy.overlap)?;
-    let r = s.world.size() / size;
+    u.comms.replica.filter(|_| u.on_stream)?;
+    let r = s.world.size() / u.comms.shard.size();
     (r > 1).then(|| {
         let part = u.layout.shard_len.div_ceil(r);
         (format!("{}'s replica all-reduce part (fp32)", u.name), part, "1/R of its shard, in flight with it")
     })
 }
 // ANCHOR_END: in_flight_part
+
+// ANCHOR: unit_comms
+/// The communicators every unit is sharded over, built once, before the
+/// first unit (every rank together: `MPI_Comm_split`, and the stream's own
+/// split when it runs): the world's, or under `--hsdp S` the mesh's — my
+/// shard group's, and my replica group's beside it (FSDP2's
+/// `fully_shard(mesh=…)` with a 2-D mesh).
+pub fn unit_comms(w: &World, hsdp: Option<usize>) -> UnitComms<'_> {
+    match hsdp {
+        None => UnitComms::world(w),
+        Some(size) => {
+            let mesh = w.mesh(size);
+            UnitComms { shard: &mesh.shard, replica: Some(&mesh.replica), stream: Group::Shard }
+        }
+    }
+}
+// ANCHOR_END: unit_comms
 
 /// The config table's "sharding" row.
 pub fn describe(n: usize, hsdp: Option<usize>) -> String {

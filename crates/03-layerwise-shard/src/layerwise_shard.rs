@@ -112,8 +112,8 @@ struct Carry {
 }
 
 /// One rank's share of the training state: every unit, sharded.
-pub struct LayerwiseShard {
-    pub units: Vec<FsdpUnit>,
+pub struct LayerwiseShard<'w> {
+    pub units: Vec<FsdpUnit<'w>>,
     /// FSDP2's overlap (`--prefetch`, with the world's communication stream
     /// started): each unit's all-gather handed to the stream while the
     /// entries before it compute, this many entries ahead (0: off, 2:
@@ -124,7 +124,7 @@ pub struct LayerwiseShard {
     pub head_grad: HeadGrad,
 }
 
-impl LayerwiseShard {
+impl LayerwiseShard<'_> {
     // ANCHOR: step
     /// One training step; returns the mean loss over the global batch.
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
@@ -159,7 +159,7 @@ impl LayerwiseShard {
                 true => {
                     let gathered = match ahead.front() {
                         Some((i, _)) if *i == at => ahead.pop_front().expect("the front entry").1.wait(w)?,
-                        _ => unit.unshard(w)?,
+                        _ => unit.unshard()?,
                     };
                     let params = s.model.vars_from_tensor(&s.table, unit.params(), &gathered)?;
                     drop(gathered);

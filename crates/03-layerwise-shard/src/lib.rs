@@ -7,9 +7,11 @@
 //!
 //! ```no_run
 //! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
-//! use step03_layerwise_shard::{HeadGrad, LayerwiseShard, units::{UnitPolicy, build_units}};
-//! // One block per unit, resharded after every use, gathered in fp32 (FSDP2's defaults).
-//! let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, UnitPolicy::default())?;
+//! use step03_layerwise_shard::mixed_precision::MixedPrecision;
+//! use step03_layerwise_shard::units::{UnitComms, build_units};
+//! use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
+//! // One block per unit over the world, resharded after every use, gathered in fp32 (FSDP2's defaults).
+//! let units = build_units(s, 1, &start, UnitComms::world(s.world), true, MixedPrecision::default())?;
 //! drop(start); // my shards are read
 //! let head_grad = step03_layerwise_shard::tally::lower_peak(s, &units, 0);
 //! let mut fsdp = LayerwiseShard { units, prefetch: 0, head_grad };
@@ -19,6 +21,7 @@
 pub mod head_grad;
 pub mod hsdp;
 pub mod layerwise_shard;
+pub mod mixed_precision;
 pub mod prefetch;
 pub mod readout;
 pub mod tally;
@@ -26,7 +29,7 @@ pub mod units;
 
 pub use head_grad::HeadGrad;
 pub use layerwise_shard::{LayerwiseShard, Phase, schedule};
-pub use units::{describe_reduce, reduce_flag};
+pub use mixed_precision::{describe_reduce, reduce_flag};
 
 // The exercises: yours (src/exercises.rs) and the answers, with the same
 // signatures; `--mine K` makes the step call yours (fsdp_harness::exercise).

@@ -17,10 +17,12 @@ use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
+use step03_layerwise_shard::mixed_precision::MixedPrecision;
+use step03_layerwise_shard::prefetch::reduce_on_stream;
 use step03_layerwise_shard::tally::{
     bytes_per_step, prefetch_within_budget, reserve_receive_buffers, tally, units_json, unsharded_peak_table,
 };
-use step03_layerwise_shard::units::{UnitPolicy, build_units};
+use step03_layerwise_shard::units::build_units;
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp};
 use step03_layerwise_shard::{describe_reduce, reduce_flag};
 
@@ -117,8 +119,12 @@ fn main() -> ExitCode {
             s.start_stream()?;
         }
         // My shard of every unit, cut from the seed's weights (or the checkpoint's).
-        let policy = UnitPolicy { overlap: args.prefetch, hsdp: args.hsdp, ..UnitPolicy::default() };
-        let units = build_units(&s.table, layers, blocks_per_unit, &start, world, s.adamw, policy)?;
+        // The communicators, split once (under --hsdp the mesh), every rank together.
+        let comms = hsdp::unit_comms(world, args.hsdp);
+        let mut units = build_units(&s, blocks_per_unit, &start, comms, true, MixedPrecision::default())?;
+        if args.prefetch {
+            reduce_on_stream(&mut units); // FSDP2's reduce-scatter stream
+        }
         let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
         let (prefetch, head_grad) = prefetch_within_budget(&s, &units, asked, args.head_grad); // the same on every rank
         s.print_config(&[
@@ -133,7 +139,7 @@ fn main() -> ExitCode {
             ),
         ]);
 
-        reserve_receive_buffers(&s, &units, args.prefetch); // on the stream's thread under --prefetch
+        reserve_receive_buffers(&s, &units); // on the stream's thread under --prefetch
         let mut fsdp = LayerwiseShard { units, prefetch, head_grad };
         let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, true)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes

@@ -5,7 +5,7 @@
 //! The blocking step of `layerwise_shard.rs` is the idea; this is the same
 //! step, with the waits moved to where the data is needed.
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{Group, Pending, World};
+use fsdp_comm::{MicroBatchSum, Pending, World};
 use fsdp_gpt::precision::bf16_tensor;
 
 use crate::head_grad::HeadGrad;
@@ -102,7 +102,7 @@ impl Unsharding {
     }
 }
 
-impl FsdpUnit {
+impl FsdpUnit<'_> {
     /// The same all-gather, handed to the communication stream: FSDP2's
     /// unshard issued ahead (prefetch). My shard is copied in (rounded to
     /// bf16 under a bf16 `param_dtype`), as FSDP2 copies into its
@@ -110,17 +110,40 @@ impl FsdpUnit {
     pub fn unshard_async(&self, w: &World) -> candle_core::Result<Unsharding> {
         let n = self.layout.padded;
         let label = || format!("all_gather {}", self.name);
-        let g = if self.policy.hsdp.is_some() { Group::Shard } else { Group::World }; // where the shards are
-        match self.policy.param_dtype {
+        let g = self.comms.stream; // where the shards are
+        match self.mp.param_dtype {
             DType::F32 => {
                 Ok(Unsharding::F32(w.all_gather_async_in(g, self.master.clone(), vec![0.0; n]).label(w, label)))
             }
             DType::BF16 => Ok(Unsharding::Bf16(
-                w.all_gather_async_in(g, (self.policy.bf16_wire)(&self.master), vec![0; n]).label(w, label),
+                w.all_gather_async_in(g, (self.mp.bf16_wire)(&self.master), vec![0; n]).label(w, label),
             )),
             other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
         }
     }
+
+    /// **reduce-scatter on the stream**: the unit's gradient sum handed to
+    /// the communication stream (FSDP2 reduce-scatters on a stream of its
+    /// own) and the call returns at once; [`FsdpUnit::wait_grad`] takes the
+    /// shard when it is needed; `grads` is left empty. Under HSDP the
+    /// reduce-scatter and the replica all-reduce are one op on the stream.
+    pub(crate) fn reduce_scatter_async(&mut self, w: &World, grads: &mut MicroBatchSum) {
+        self.wait_grad(w); // a unit has one reduce-scatter in flight at most
+        let shard = std::mem::take(&mut self.grad); // its buffer travels with the sums
+        let name = &self.name;
+        let pending = match self.comms.replica {
+            Some(_) => w.hsdp_reduce_async(grads, shard),
+            None => w.reduce_scatter_sum_async(grads, shard),
+        };
+        self.reducing = Some(pending.label(w, || format!("reduce_scatter {name}")));
+    }
+}
+
+/// The units' reduce-scatters go to the communication stream from now on
+/// (`--prefetch`, `--overlap-comm`; the stream is started): set once, before
+/// the receive buffers are reserved and the tally counts what is in flight.
+pub fn reduce_on_stream(units: &mut [FsdpUnit]) {
+    units.iter_mut().for_each(|u| u.on_stream = true);
 }
 
 /// Unit `u`'s reduce-scatter is next: the one in flight before it

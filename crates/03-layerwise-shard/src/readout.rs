@@ -2,15 +2,14 @@
 //! gathered for the report, and gradient digests for the exercises' checks.
 use std::borrow::Cow;
 
-use fsdp_comm::World;
 use fsdp_gpt::ParamTable;
 use fsdp_harness::Session;
 use fsdp_harness::checkpoint::ShardPiece;
 
 use crate::layerwise_shard::LayerwiseShard;
-use crate::units::{FsdpUnit, groups};
+use crate::units::FsdpUnit;
 
-impl FsdpUnit {
+impl FsdpUnit<'_> {
     /// The digest of my shard of the unit's last gradient, as the update
     /// used it (the mean, clipped under --grad-clip): the exercises' checks
     /// name the first unit whose gradient differs from the answer's.
@@ -30,9 +29,9 @@ impl FsdpUnit {
     }
 
     /// The fp32 master weights of the whole unit (for the final weights file).
-    pub fn gather_master(&self, w: &World) -> Vec<f32> {
+    pub fn gather_master(&self) -> Vec<f32> {
         let mut full = vec![0.0; self.layout.padded];
-        groups(w, self.policy).0.all_gather(&self.master, &mut full);
+        self.comms.shard.all_gather(&self.master, &mut full);
         full
     }
 
@@ -44,7 +43,7 @@ impl FsdpUnit {
     }
 }
 
-impl LayerwiseShard {
+impl LayerwiseShard<'_> {
     /// Every unit's gradient digest ([`FsdpUnit::grad_digest`]), in the
     /// order the backward finishes them: the last block first, the root last.
     pub fn grad_digests(&self) -> Vec<(String, String)> {
@@ -61,7 +60,7 @@ impl LayerwiseShard {
     pub fn gather_full(&self, s: &Session) -> Vec<f32> {
         let mut full = vec![0.0; s.table.numel()];
         for u in &self.units {
-            u.place(&s.table, &u.gather_master(s.world), &mut full);
+            u.place(&s.table, &u.gather_master(), &mut full);
         }
         full
     }

@@ -374,7 +374,7 @@ pub fn largest_padded(units: &[FsdpUnit]) -> usize {
 /// [`reserve_receive_buffers`] allocates.
 pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(Group, &'static str, usize, &'static str)> {
     let (padded, shard) = (largest_padded(units), units.iter().map(|u| u.layout.shard_len).max().unwrap_or(0));
-    let Some(s_size) = units[0].policy.hsdp else {
+    let Some(s_size) = units[0].comms.replica.map(|_| units[0].comms.shard.size()) else {
         let note = "the reduce-scatter's input from every rank, largest unit, kept";
         return s
             .receive_buffer_len(padded)
@@ -397,21 +397,23 @@ pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(Group, &'static 
 }
 
 /// Allocates the receive buffers now ([`receive_buffers`]), as the tally
-/// counts them: on the communication stream's thread when the reductions go there.
-pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit], on_stream: bool) {
-    let Some(size) = units[0].policy.hsdp else {
+/// counts them: on the communication stream's thread when the reductions go
+/// there (the units' `on_stream`, set first).
+pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit]) {
+    let (comms, on_stream) = (units[0].comms, units[0].on_stream);
+    let Some(replica) = comms.replica else {
         return s.reserve_receive_buffer(largest_padded(units), on_stream);
     };
-    let (w, mesh) = (s.world, s.world.mesh(size));
+    let (w, size) = (s.world, comms.shard.size());
     for (group, _, len, _) in receive_buffers(s, units) {
         let parts = match group {
-            Group::Replica => mesh.replica.size(),
+            Group::Replica => replica.size(),
             _ => s.sum_groups.per_rank() * size,
         };
         match (on_stream, group) {
             (true, g) => w.reserve_stream_receive_buffer_in(g, len, parts),
-            (false, Group::Replica) => mesh.replica.reserve_receive_buffer(len, parts),
-            (false, _) => mesh.shard.reserve_receive_buffer(len, parts),
+            (false, Group::Replica) => replica.reserve_receive_buffer(len, parts),
+            (false, _) => comms.shard.reserve_receive_buffer(len, parts),
         }
     }
 }

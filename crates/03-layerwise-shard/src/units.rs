@@ -10,13 +10,14 @@
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{Comm, MicroBatchSum, Pending, ShardLayout, World};
+use fsdp_comm::{Comm, Group, MicroBatchSum, Pending, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
-use fsdp_gpt::precision::{bf16_bits, bf16_tensor};
-use fsdp_gpt::{AdamW, AdamWConfig, ParamTable, Unit};
+use fsdp_gpt::precision::bf16_tensor;
+use fsdp_gpt::{AdamW, ParamTable, Unit};
 use fsdp_harness::{Session, Start, exercise};
 
 use crate::hsdp::all_reduce_shard;
+use crate::mixed_precision::MixedPrecision;
 
 // ANCHOR: unit_params
 /// The parameter-table entries of each unit, root first: `(name, entries)`.
@@ -35,42 +36,29 @@ pub fn unit_params(table: &ParamTable, n_layer: usize, blocks_per_unit: usize) -
 }
 // ANCHOR_END: unit_params
 
-/// How a unit holds its parameters, in PyTorch FSDP2's words (the
-/// arguments of `fully_shard` and its `MixedPrecisionPolicy`).
-#[derive(Debug, Clone, Copy)]
-pub struct UnitPolicy {
-    /// `true` (this lesson, FSDP2's default): the unsharded parameters are
-    /// freed after every use and all-gathered again for the next, so a unit
-    /// is gathered twice per step. `false`: they are not freed after
-    /// forward. FSDP2 then frees them after backward and gathers again next
-    /// step; here they go further and stay unsharded from step to step,
-    /// refreshed by one all-gather right after the update (what ZeRO-1 and
-    /// ZeRO-2 do, lesson 04): the same bytes per step, gathered at another time.
-    pub reshard_after_forward: bool,
-    /// The dtype the parameters are all-gathered and computed in (the
-    /// sharded master stays fp32): `F32` here, `BF16` under lesson 04's bf16.
-    pub param_dtype: DType,
-    /// Under a bf16 `param_dtype`: how a rank's fp32 shard becomes the bf16
-    /// bits it sends (round to nearest even; lesson 04 passes its exercise 4.2).
-    pub bf16_wire: fn(&[f32]) -> Vec<u16>,
-    /// Reduce-scatter on the world's communication stream (FSDP2 does, on a
-    /// stream of its own; the lessons under their overlap flags), the call
-    /// returning at once; else a blocking reduce-scatter.
-    pub overlap: bool,
-    /// `--hsdp S` (FSDP2's 2-D mesh, `(Replicate(), Shard(0))`): shard among
-    /// the S ranks of my shard group ([`fsdp_comm::Mesh`]) instead of the
-    /// world, and sum each reduce-scattered shard across my replica group.
-    pub hsdp: Option<usize>,
+/// The communicators a unit is sharded over, handed to it once by `main`
+/// (FSDP2's `fully_shard(module, mesh=…)`): the world's, or under HSDP
+/// ([`crate::hsdp::unit_comms`]) my shard group's, with my replica group's beside it.
+#[derive(Clone, Copy)]
+pub struct UnitComms<'w> {
+    /// Where the unit's shards are: its all-gathers and reduce-scatters run here.
+    pub shard: &'w Comm,
+    /// HSDP: the ranks that hold my shard in the other shard groups; each
+    /// reduce-scattered shard is summed across them.
+    pub replica: Option<&'w Comm>,
+    /// The communication stream's twin of `shard` (the stream runs over communicators of its own).
+    pub stream: Group,
 }
 
-impl Default for UnitPolicy {
-    fn default() -> Self {
-        Self { reshard_after_forward: true, param_dtype: DType::F32, bf16_wire: bf16_bits, overlap: false, hsdp: None }
+impl<'w> UnitComms<'w> {
+    /// Sharded over the whole world (full sharding).
+    pub fn world(w: &'w World) -> Self {
+        Self { shard: w, replica: None, stream: Group::World }
     }
 }
 
 /// One unit on one rank: everything about it is sharded between steps.
-pub struct FsdpUnit {
+pub struct FsdpUnit<'w> {
     pub(crate) name: String,
     /// Parameter-table entries, in the unit's flat order.
     pub(crate) params: Vec<usize>,
@@ -88,24 +76,34 @@ pub struct FsdpUnit {
     pub(crate) reducing: Option<Pending<Vec<f32>>>,
     /// AdamW on my shard only: `m` and `v` are 1/N of the unit each.
     pub(crate) opt: AdamW,
-    pub(crate) policy: UnitPolicy,
+    /// Where its shards are, and under HSDP its replicas.
+    pub(crate) comms: UnitComms<'w>,
+    /// The dtype it is gathered and computed in.
+    pub(crate) mp: MixedPrecision,
+    /// FSDP2's `reshard_after_forward` ([`build_units`]).
+    pub(crate) reshard_after_forward: bool,
+    /// Its reduce-scatters go to the communication stream (`--prefetch`,
+    /// `--overlap-comm`: [`crate::prefetch::reduce_on_stream`]), the call
+    /// returning at once; else they block.
+    pub(crate) on_stream: bool,
     /// `reshard_after_forward: false`: the unsharded parameters, kept.
     pub(crate) unsharded: Option<Tensor>,
 }
 
-impl FsdpUnit {
+impl<'w> FsdpUnit<'w> {
     /// My shard of the unit, read from `start` (the seed's weights or a
     /// checkpoint's, with AdamW's moments): only the model-order positions
     /// my shard covers are computed or read — no rank holds the whole model.
     pub fn new(
-        table: &ParamTable,
+        s: &Session,
         name: String,
         params: Vec<usize>,
         start: &Start,
-        world: &World,
-        adamw: AdamWConfig,
-        policy: UnitPolicy,
+        comms: UnitComms<'w>,
+        reshard_after_forward: bool,
+        mp: MixedPrecision,
     ) -> anyhow::Result<Self> {
+        let table = &s.table;
         let mut ranges = Vec::new();
         let mut len = 0;
         for &i in &params {
@@ -114,7 +112,7 @@ impl FsdpUnit {
         }
         // Sharded over the world, or under HSDP over my shard group: the
         // same layout as full sharding over S ranks (a checkpoint is one).
-        let group = groups(world, policy).0;
+        let group = comms.shard;
         let layout = ShardLayout::new(len, group.size());
         let mine = model_ranges(table, &params, layout, group.rank());
         let padded = |mut v: Vec<f32>| {
@@ -127,14 +125,28 @@ impl FsdpUnit {
         let window = layout.shard(group.rank()).range();
         let no_decay = fsdp_gpt::params::no_decay(table, params.iter().copied().zip(ranges.iter().cloned()), window);
         let (grad, mut opt) =
-            (vec![0.0; layout.shard_len], AdamW::new(adamw, layout.shard_len).with_no_decay(no_decay));
+            (vec![0.0; layout.shard_len], AdamW::new(s.adamw, layout.shard_len).with_no_decay(no_decay));
         if let Some(r) = start.moments(&mine)? {
             (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
         }
-        let mut unit =
-            Self { name, params, ranges, blocks, layout, master, grad, reducing: None, opt, policy, unsharded: None };
-        if !policy.reshard_after_forward {
-            unit.unsharded = Some(unit.gather(world)?);
+        let mut unit = Self {
+            name,
+            params,
+            ranges,
+            blocks,
+            layout,
+            master,
+            grad,
+            reducing: None,
+            opt,
+            comms,
+            mp,
+            reshard_after_forward,
+            on_stream: false,
+            unsharded: None,
+        };
+        if !reshard_after_forward {
+            unit.unsharded = Some(unit.gather()?);
         }
         Ok(unit)
     }
@@ -160,20 +172,20 @@ impl FsdpUnit {
     }
     /// Bytes per element of the compute copy (the param dtype): 4, or 2 under bf16.
     pub fn param_bytes(&self) -> usize {
-        self.policy.param_dtype.size_in_bytes()
+        self.mp.param_dtype.size_in_bytes()
     }
     /// Whether using the unit needs an all-gather (else its parameters are kept unsharded).
     pub fn gathers(&self) -> bool {
-        self.policy.reshard_after_forward
+        self.reshard_after_forward
     }
 
     /// FSDP2's *unshard*: the unit's full weights in the param dtype, as
     /// one flat tensor (padded): an all-gather, or the kept copy when the
     /// unit is not resharded.
-    pub fn unshard(&self, w: &World) -> candle_core::Result<Tensor> {
+    pub fn unshard(&self) -> candle_core::Result<Tensor> {
         match &self.unsharded {
             Some(t) => Ok(t.clone()),
-            None => self.gather(w),
+            None => self.gather(),
         }
     }
 
@@ -181,18 +193,18 @@ impl FsdpUnit {
     /// **all-gather** of the compute copy: every rank rounds its fp32 shard
     /// to the param dtype and sends that (2 bytes per element under bf16,
     /// half of fp32's). The result is freshly allocated; drop it to free it.
-    fn gather(&self, w: &World) -> candle_core::Result<Tensor> {
-        let (w, n) = (groups(w, self.policy).0, self.layout.padded); // the world, or my shard group
-        match self.policy.param_dtype {
+    fn gather(&self) -> candle_core::Result<Tensor> {
+        let (c, n) = (self.comms.shard, self.layout.padded); // the world, or my shard group
+        match self.mp.param_dtype {
             DType::F32 => {
                 let mut full = vec![0.0f32; n];
-                w.all_gather(&self.master, &mut full);
+                c.all_gather(&self.master, &mut full);
                 Tensor::from_vec(full, n, &Device::Cpu)
             }
             DType::BF16 => {
                 // bf16: the bits of each rounded fp32 element travel as u16.
                 let mut full = vec![0u16; n];
-                w.all_gather(&(self.policy.bf16_wire)(&self.master), &mut full);
+                c.all_gather(&(self.mp.bf16_wire)(&self.master), &mut full);
                 bf16_tensor(full)
             }
             other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
@@ -202,31 +214,20 @@ impl FsdpUnit {
 
     /// **reduce-scatter** the unit's gradient sum over my micro-batches
     /// (padded, whole unit): I keep my shard of the sum over all ranks.
-    /// Under [`UnitPolicy::overlap`] the sum is handed to the communication
-    /// stream and the call returns at once — FSDP2 reduce-scatters on a
-    /// stream of its own — and [`FsdpUnit::wait_grad`] takes the shard when
-    /// it is needed; `grads` is left empty.
+    /// On the communication stream (`on_stream`) the sum is handed over and
+    /// the call returns at once ([`FsdpUnit::reduce_scatter_async`]); `grads`
+    /// is left empty.
     pub fn reduce_scatter(&mut self, w: &World, grads: &mut MicroBatchSum) {
-        if let (group, Some(replicas)) = groups(w, self.policy).into_blocking(self.policy.overlap) {
-            // HSDP: my shard of my shard group's sum, then that partial sum
-            // added across the groups holding the same shard — the pairwise
-            // tree over the groups (`SumGroups::hsdp_same_bits` says when
-            // that is the plain order's).
-            group.reduce_scatter_sum(grads, &mut self.grad);
-            return all_reduce_shard(replicas, &mut self.grad);
+        if self.on_stream {
+            return self.reduce_scatter_async(w, grads); // --prefetch, --overlap-comm (prefetch.rs)
         }
-        if !self.policy.overlap {
-            return w.reduce_scatter_sum(grads, &mut self.grad);
+        self.comms.shard.reduce_scatter_sum(grads, &mut self.grad);
+        if let Some(replicas) = self.comms.replica {
+            // HSDP: that partial sum added across the groups holding the
+            // same shard — the pairwise tree over the groups
+            // (`SumGroups::hsdp_same_bits` says when that is the plain order's).
+            all_reduce_shard(replicas, &mut self.grad);
         }
-        self.wait_grad(w); // a unit has one reduce-scatter in flight at most
-        let shard = std::mem::take(&mut self.grad); // its buffer travels with the sums
-        let name = &self.name;
-        let pending = match self.policy.hsdp {
-            // HSDP: the reduce-scatter and the replica all-reduce, one op on the stream.
-            Some(_) => w.hsdp_reduce_async(grads, shard),
-            None => w.reduce_scatter_sum_async(grads, shard),
-        };
-        self.reducing = Some(pending.label(w, || format!("reduce_scatter {name}")));
     }
 
     /// Waits for the unit's reduce-scatter in flight, if any: afterwards its
@@ -248,7 +249,7 @@ impl FsdpUnit {
         self.opt.step(&mut self.master, &self.grad);
         if self.unsharded.is_some() {
             self.unsharded = None; // free the old copy before the new one arrives
-            self.unsharded = Some(self.gather(w)?);
+            self.unsharded = Some(self.gather()?);
         }
         Ok(())
     }
@@ -261,28 +262,6 @@ impl FsdpUnit {
             fsdp_gpt::model::add_into(&mut buf[self.ranges[j].clone()], g)?;
         }
         Ok(())
-    }
-}
-
-/// The ranks a unit is sharded over — the world, or under HSDP my shard
-/// group — and, under HSDP, my replica group.
-pub fn groups(w: &World, policy: UnitPolicy) -> Groups<'_> {
-    match policy.hsdp {
-        None => Groups(w, None),
-        Some(s) => {
-            let mesh = w.mesh(s); // split on first use: every rank builds its units in one order
-            Groups(&mesh.shard, Some(&mesh.replica))
-        }
-    }
-}
-
-/// A unit's shard group and, under HSDP, its replica group ([`groups`]).
-pub struct Groups<'w>(pub &'w Comm, pub Option<&'w Comm>);
-
-impl<'w> Groups<'w> {
-    /// Both, for a blocking reduction; under overlap none (the stream's own groups reduce).
-    fn into_blocking(self, overlap: bool) -> (&'w Comm, Option<&'w Comm>) {
-        (self.0, self.1.filter(|_| !overlap))
     }
 }
 
@@ -307,39 +286,29 @@ pub fn model_ranges(table: &ParamTable, params: &[usize], layout: ShardLayout, r
 }
 // ANCHOR_END: model_ranges
 
-/// `--reduce-dtype` as a checkpoint records it: only bf16, which changes
-/// the arithmetic (a run without the flag reduces in fp32, as before it existed).
-pub fn reduce_flag(dtype: fsdp_comm::ReduceDtype) -> Vec<(&'static str, String)> {
-    match dtype {
-        fsdp_comm::ReduceDtype::F32 => vec![],
-        fsdp_comm::ReduceDtype::Bf16 => vec![("--reduce-dtype", dtype.to_string())],
-    }
-}
-
-/// The config table's row for `--reduce-dtype`.
-pub fn describe_reduce(dtype: fsdp_comm::ReduceDtype) -> String {
-    match dtype {
-        fsdp_comm::ReduceDtype::F32 => "fp32, summed as a fixed pairwise tree".into(),
-        fsdp_comm::ReduceDtype::Bf16 => {
-            "bf16: every sum of the fixed pairwise tree rounded to bf16, 2 bytes per element reduce-scattered".into()
-        }
-    }
-}
-
 /// Every unit of the model on this rank, root first: my shard of each, cut
-/// from `start` (the seed's weights, or a checkpoint's with AdamW's moments).
-pub fn build_units(
-    table: &ParamTable,
-    n_layer: usize,
+/// from `start` (the seed's weights, or a checkpoint's with AdamW's moments)
+/// — FSDP2's `fully_shard(module, mesh=comms, reshard_after_forward=…,
+/// mp_policy=mp)` on each block unit and the root.
+///
+/// `reshard_after_forward`: `true` (this lesson, FSDP2's default), the
+/// unsharded parameters are freed after every use and all-gathered again for
+/// the next, so a unit is gathered twice per step. `false`: they are not
+/// freed after forward. FSDP2 then frees them after backward and gathers
+/// again next step; here they go further and stay unsharded from step to
+/// step, refreshed by one all-gather right after the update (what ZeRO-1 and
+/// ZeRO-2 do, lesson 04): the same bytes per step, gathered at another time.
+pub fn build_units<'w>(
+    s: &Session,
     blocks_per_unit: usize,
     start: &Start,
-    world: &World,
-    adamw: AdamWConfig,
-    policy: UnitPolicy,
-) -> anyhow::Result<Vec<FsdpUnit>> {
-    unit_params(table, n_layer, blocks_per_unit)
+    comms: UnitComms<'w>,
+    reshard_after_forward: bool,
+    mp: MixedPrecision,
+) -> anyhow::Result<Vec<FsdpUnit<'w>>> {
+    unit_params(&s.table, s.cfg.n_layer, blocks_per_unit)
         .into_iter()
-        .map(|(name, params)| FsdpUnit::new(table, name, params, start, world, adamw, policy))
+        .map(|(name, params)| FsdpUnit::new(s, name, params, start, comms, reshard_after_forward, mp))
         .collect()
 }
 
@@ -357,7 +326,7 @@ pub fn update_all(units: &mut [FsdpUnit], s: &Session, inv: f32) -> candle_core:
         Some(_) => {
             // Over the ranks that share the model: under HSDP my shard group
             // only, since every replica group holds the same shards.
-            let group = groups(s.world, units[0].policy).0;
+            let group = units[0].comms.shard;
             let shards: Vec<&[f32]> = units.iter().map(|u| u.grad.as_slice()).collect();
             s.clip_factor_of(exercise!(3, 2, global_norm(group, &shards))) // exercise 3.2
         }

@@ -125,6 +125,8 @@ fn main() -> ExitCode {
             exercise::needs(4, 2, args.precision == Precision::Bf16, "under --precision bf16 (the bf16 gathers)")
         });
         fsdp_harness::lesson::agree(world, needs)?;
+        // The communicators, split once (under --hsdp the mesh), every rank together.
+        let comms = hsdp::unit_comms(world, args.hsdp);
         let mut zero = OptimizerStateShard::new(
             &s,
             start,
@@ -133,7 +135,7 @@ fn main() -> ExitCode {
             (asked, args.overlap_comm), // each refused where it does not apply
             args.recompute,
             args.head_grad,
-            args.hsdp,
+            comms,
         )?;
         let head_grad = zero.fsdp.head_grad;
         let mut rows = vec![

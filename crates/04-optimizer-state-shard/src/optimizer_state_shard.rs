@@ -13,7 +13,7 @@
 //!
 //! The stages share everything but *where the compute copy lives*: stages 1
 //! and 2 keep each unit's copy unsharded between steps (FSDP2's
-//! `reshard_after_forward=False`, see [`UnitPolicy`]), stage 3 gathers it.
+//! `reshard_after_forward=False`, see [`build_units`]), stage 3 gathers it.
 //! Stage 3 is lesson 03's [`LayerwiseShard`], reused, and so always
 //! recomputes (a unit's graph would hold its gathered weights alive);
 //! stages 1 and 2 keep the activations for backward unless `--recompute`
@@ -24,13 +24,14 @@ use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
-use step03_layerwise_shard::prefetch::{Prefetch, one_in_flight};
+use step03_layerwise_shard::mixed_precision::MixedPrecision;
+use step03_layerwise_shard::prefetch::{Prefetch, one_in_flight, reduce_on_stream};
 use step03_layerwise_shard::tally::{prefetch_within_budget, reserve_receive_buffers};
-use step03_layerwise_shard::units::{FsdpUnit, UnitPolicy, build_units, update_all};
+use step03_layerwise_shard::units::{FsdpUnit, UnitComms, build_units, update_all};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 
 /// One rank's share of the training state at ZeRO stage `stage`.
-pub struct OptimizerStateShard {
+pub struct OptimizerStateShard<'w> {
     pub stage: u8,
     /// `--recompute` (stages 1 and 2; stage 3 always recomputes).
     pub recompute: bool,
@@ -40,10 +41,10 @@ pub struct OptimizerStateShard {
     /// below still compute. (Stage 3 overlaps with lesson 03's `--prefetch`.)
     pub overlap_comm: bool,
     /// The units (one per block, and the root) and lesson 03's schedule over them.
-    pub fsdp: LayerwiseShard,
+    pub fsdp: LayerwiseShard<'w>,
 }
 
-impl OptimizerStateShard {
+impl<'w> OptimizerStateShard<'w> {
     // ANCHOR: new
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -54,7 +55,7 @@ impl OptimizerStateShard {
         (asked, overlap_comm): (Prefetch, bool), // stage 3's units gathered ahead; stages 1 and 2's overlap_comm
         recompute: bool,
         head_grad: Option<HeadGrad>,
-        hsdp: Option<usize>, // `--hsdp S`: sharded within shard groups of S ranks (lesson 03's)
+        comms: UnitComms<'w>, // the world's, or under `--hsdp S` the mesh's (lesson 03's)
     ) -> anyhow::Result<Self> {
         // Overlap: FSDP2's at stage 3 (`--prefetch`), DeepSpeed's `overlap_comm` at 1 and 2.
         let (prefetch, overlap_comm) = (if stage == 3 { asked.depth } else { 0 }, overlap_comm && stage < 3);
@@ -62,11 +63,13 @@ impl OptimizerStateShard {
         // Stages 1 and 2 keep each unit's compute copy unsharded from step to
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
         // bf16 travels as each element's rounded bits (exercise 4.2).
-        let policy =
-            UnitPolicy { reshard_after_forward: stage == 3, param_dtype: precision.dtype(), bf16_wire, overlap, hsdp };
-        let units = build_units(&s.table, s.cfg.n_layer, 1, &start, s.world, s.adamw, policy)?;
+        let mp = MixedPrecision { param_dtype: precision.dtype(), bf16_wire };
+        let mut units = build_units(s, 1, &start, comms, stage == 3, mp)?;
+        if overlap {
+            reduce_on_stream(&mut units);
+        }
         drop(start); // my shards are read: the start's source goes
-        reserve_receive_buffers(s, &units, overlap); // on the stream's thread when it reduces
+        reserve_receive_buffers(s, &units); // on the stream's thread when it reduces
         // Stage 3 runs lesson 03's schedule: how far it prefetches, memory
         // allowing, and what waits for the tied wte (lesson 03's defaults).
         let (prefetch, head_grad) = match stage {
@@ -236,10 +239,9 @@ fn blockwise_step(
 
 /// The resident compute copy as candle Vars: per unit, and in model order.
 fn resident_vars(units: &[FsdpUnit], s: &Session) -> anyhow::Result<(Vec<Vec<Var>>, Vec<Var>)> {
-    let w = s.world;
     let per_unit: Vec<Vec<Var>> = units
         .iter()
-        .map(|u| Ok(s.model.vars_from_tensor(&s.table, u.params(), &u.unshard(w)?)?))
+        .map(|u| Ok(s.model.vars_from_tensor(&s.table, u.params(), &u.unshard()?)?))
         .collect::<anyhow::Result<_>>()?;
     let mut in_order: Vec<(usize, Var)> =
         units.iter().zip(&per_unit).flat_map(|(u, vs)| u.params().iter().copied().zip(vs.iter().cloned())).collect();
@@ -248,7 +250,7 @@ fn resident_vars(units: &[FsdpUnit], s: &Session) -> anyhow::Result<(Vec<Vec<Var
 }
 
 /// The bf16 bits a unit's all-gather sends: exercise 4.2, the learner's
-/// under `--mine 2` ([`UnitPolicy::bf16_wire`]).
+/// under `--mine 2` ([`MixedPrecision::bf16_wire`]).
 fn bf16_wire(shard: &[f32]) -> Vec<u16> {
     exercise!(4, 2, to_bf16_bits(shard))
 }
