@@ -7,16 +7,14 @@
 //!
 //! `main` splits the mesh once ([`unit_comms`], [`fsdp_comm::Mesh`]) and
 //! hands every unit its shard group and its replica group
-//! ([`crate::units::UnitComms`]): a unit gathers and reduce-scatters in its
-//! shard group and then all-reduces its gradient shard across its replica
-//! group ([`all_reduce_shard`]). This file also checks the flag, names the
-//! layout, counts what a reduction in flight holds, and reports what each
-//! group sent beside its theory.
+//! ([`UnitComms`]): a unit gathers and reduce-scatters in its shard group
+//! and then all-reduces its gradient shard across its replica group
+//! ([`all_reduce_shard`]). This file also checks the flag, names the layout,
+//! and reports what each group sent beside its theory (the tally's rows for
+//! HSDP's buffers are `tally.rs`'s).
 use anyhow::anyhow;
 use fsdp_comm::{Collective, Comm, Group, ShardLayout, Traffic, World};
 use fsdp_harness::{Report, Session};
-
-use crate::units::{FsdpUnit, UnitComms};
 
 /// `--hsdp S`, checked on every rank together: refused in one line where it cannot run.
 pub fn check(s: &Session, hsdp: Option<usize>) -> anyhow::Result<()> {
@@ -68,19 +66,25 @@ pub fn all_reduce_shard(replicas: &Comm, shard: &mut [f32]) {
 }
 // ANCHOR_END: all_reduce_shard
 
-// ANCHOR: in_flight_part
-/// Under HSDP with the stream, a unit's reduction in flight holds, beyond
-/// its sums, the replica all-reduce's part: 1/R of its shard (padded to R
-/// parts). The tally's row for it, `(category, elements, note)`.
-pub fn in_flight_part(s: &Session, u: &FsdpUnit) -> Option<(String, usize, &'static str)> {
-    u.comms.replica.filter(|_| u.on_stream)?;
-    let r = s.world.size() / u.comms.shard.size();
-    (r > 1).then(|| {
-        let part = u.layout.shard_len.div_ceil(r);
-        (format!("{}'s replica all-reduce part (fp32)", u.name), part, "1/R of its shard, in flight with it")
-    })
+/// The communicators a unit is sharded over, handed to it once by `main` (FSDP2's
+/// `mesh`): the world's, or under HSDP my shard group's and my replica group's ([`unit_comms`]).
+#[derive(Clone, Copy)]
+pub struct UnitComms<'w> {
+    /// Where the unit's shards are: its all-gathers and reduce-scatters run here.
+    pub shard: &'w Comm,
+    /// HSDP: the ranks that hold my shard in the other shard groups; each
+    /// reduce-scattered shard is summed across them.
+    pub replica: Option<&'w Comm>,
+    /// The communication stream's twin of `shard` (the stream runs over communicators of its own).
+    pub stream: Group,
 }
-// ANCHOR_END: in_flight_part
+
+impl<'w> UnitComms<'w> {
+    /// Sharded over the whole world (full sharding).
+    pub fn world(w: &'w World) -> Self {
+        Self { shard: w, replica: None, stream: Group::World }
+    }
+}
 
 // ANCHOR: unit_comms
 /// The communicators every unit is sharded over, built once, before the

@@ -17,13 +17,12 @@
 //! input, backpropagates the upstream gradient through it and
 //! **reduce-scatters** the unit's gradient, so each rank keeps 1/N of it.
 //! Only one unit is ever unsharded (1 + K with `--prefetch`, which gathers
-//! the next K entries' units ahead: two, or `--prefetch-depth K`).
+//! the next K entries' units ahead — two, or `--prefetch-depth K` — in the
+//! overlapped step beside this one, `prefetch.rs`).
 //!
 //! The tied `wte` gets its lm_head part at the head and its embedding part
 //! at the very end, so the weights stay lesson 01's, bit for bit; what a
 //! rank holds in between is [`HeadGrad`] (`head_grad.rs`).
-use std::collections::VecDeque;
-
 use anyhow::Context;
 use candle_core::{Tensor, Var};
 use fsdp_comm::MicroBatchSum;
@@ -33,8 +32,7 @@ use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_harness::{MemoryTimeline, Session, exercise};
 
 use crate::head_grad::HeadGrad;
-use crate::prefetch::{Unsharding, gathered_ahead, one_in_flight};
-use crate::units::FsdpUnit;
+use crate::units::{FsdpUnit, update_all};
 
 /// One entry of the schedule: what is done with which unit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,9 +60,7 @@ impl Phase {
             Phase::Forward(u) | Phase::Backward(u) => u,
         }
     }
-}
 
-impl Phase {
     /// The embedding's backward alone is the one entry that needs no weights.
     pub fn needs_weights(self) -> bool {
         self != Phase::EmbedBackward(HeadGrad::Keep)
@@ -93,7 +89,8 @@ pub fn schedule(block_units: usize, head: HeadGrad) -> Vec<Phase> {
 }
 
 /// What travels between the schedule's entries, per micro-batch of mine.
-struct Carry {
+#[derive(Default)]
+pub(crate) struct StepState {
     batches: Vec<Batch>,
     /// Saved unit inputs: `inputs[u − 1][k]` is block unit u's input (B, T, C);
     /// the last entry is the head's. Popped as backward consumes them.
@@ -108,18 +105,20 @@ struct Carry {
     /// The final LayerNorm's gradient (weight, bias), likewise: the root's
     /// gradient is summed over micro-batches once all its parts exist.
     head_lnf: Vec<[Tensor; 2]>,
-    loss_sum: f64,
+    pub(crate) loss_sum: f64,
+}
+
+impl StepState {
+    /// Step `step`'s state before its first entry: my micro-batches, nothing carried yet.
+    pub(crate) fn for_step(s: &Session, step: u64) -> anyhow::Result<Self> {
+        let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
+        Ok(Self { batches, ..Self::default() })
+    }
 }
 
 /// One rank's share of the training state: every unit, sharded.
 pub struct LayerwiseShard<'w> {
     pub units: Vec<FsdpUnit<'w>>,
-    /// FSDP2's overlap (`--prefetch`, with the world's communication stream
-    /// started): each unit's all-gather handed to the stream while the
-    /// entries before it compute, this many entries ahead (0: off, 2:
-    /// `--prefetch`, K: `--prefetch-depth K`), forward and backward, and
-    /// each reduce-scatter handed to it while the next unit's backward runs.
-    pub prefetch: usize,
     /// What waits for the tied `wte`'s embedding part.
     pub head_grad: HeadGrad,
 }
@@ -129,84 +128,59 @@ impl LayerwiseShard<'_> {
     /// One training step; returns the mean loss over the global batch.
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
         let w = s.world;
-        let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
-        let mut c = Carry {
-            batches,
-            inputs: vec![],
-            upstream: vec![],
-            head_wte: vec![],
-            head_inputs: vec![],
-            head_lnf: vec![],
-            loss_sum: 0.0,
-        };
-        let plan = schedule(self.units.len() - 1, self.head_grad);
-        debug_assert!(
-            self.prefetch == 0 || self.units.iter().all(FsdpUnit::gathers),
-            "prefetch gathers resharded units"
-        );
-        // --prefetch: the units of the next entries, being gathered on the
-        // stream, in the schedule's order (at most 1 + K units unsharded:
-        // this entry's and those of the next K), and how far they reach …
-        let mut ahead: VecDeque<(usize, Unsharding)> = VecDeque::with_capacity(self.prefetch);
-        let mut handed = 0; // entries before this one have had their gathers handed over
-        // … and the last unit whose reduce-scatter went to the stream.
-        let mut reducing: Option<usize> = None;
-        for (at, &phase) in plan.iter().enumerate() {
+        let mut c = StepState::for_step(s, step)?;
+        for &phase in &schedule(self.units.len() - 1, self.head_grad) {
             let unit = &self.units[phase.unit()];
-            // 1. unshard: the gather issued ahead, or an all-gather now
+            // 1. unshard: all-gather the unit (the embedding's backward needs no weights)
             let params = match phase.needs_weights() {
                 false => vec![],
-                true => {
-                    let gathered = match ahead.front() {
-                        Some((i, _)) if *i == at => ahead.pop_front().expect("the front entry").1.wait(w)?,
-                        _ => unit.unshard()?,
-                    };
-                    let params = s.model.vars_from_tensor(&s.table, unit.params(), &gathered)?;
-                    drop(gathered);
-                    tl.mark(format!("{} {}", if unit.gathers() { "gather" } else { "use unsharded" }, unit.name()));
-                    params
-                }
+                true => unit_vars(s, unit, unit.unshard()?, tl)?,
             };
-            // 2. prefetch: hand the next entries' all-gathers to the stream, then compute this one
-            for i in gathered_ahead(&plan, at, self.prefetch).filter(|&i| i >= handed) {
-                ahead.push_back((i, self.units[plan[i].unit()].unshard_async(w)?));
-            }
-            handed = handed.max(at + 1 + self.prefetch);
+            // 2. compute this entry
             let label = || format!("{} {}", phase.label(), unit.name());
             let grad_sum = w.traced(label, || run_phase(s, phase, unit, &params, &mut c))?;
             tl.mark(label());
 
-            // 3. reshard (free the unit); after its backward, reduce-scatter its
-            // gradient (under --prefetch on the stream, one unit's at a time)
+            // 3. reshard (free the unit); after its backward, reduce-scatter its gradient
             drop(params);
             if let Some(mut grads) = grad_sum {
                 let u = phase.unit();
-                one_in_flight(&mut self.units, &mut reducing, u, w);
                 self.units[u].reduce_scatter(w, &mut grads);
                 tl.mark(format!("reduce-scatter {}, free it", self.units[u].name()));
             }
         }
         // 4. update: AdamW on my shard of every unit, with the mean gradient
         // (clipped by its global norm under --grad-clip)
-        w.traced(
-            || "AdamW update".into(),
-            || crate::units::update_all(&mut self.units, s, 1.0 / s.sampler.micro_batches as f32),
-        )?;
+        w.traced(|| "AdamW update".into(), || update_all(&mut self.units, s, 1.0 / s.sampler.micro_batches as f32))?;
         tl.mark("AdamW on my shards");
         Ok((w.sum_f64(&[c.loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
     }
     // ANCHOR_END: step
 }
 
+/// The unit's gathered weights as candle Vars in its flat order (the
+/// gathered tensor freed), marked on the memory timeline.
+pub(crate) fn unit_vars(
+    s: &Session,
+    unit: &FsdpUnit,
+    gathered: Tensor,
+    tl: &mut MemoryTimeline,
+) -> anyhow::Result<Vec<Var>> {
+    let params = s.model.vars_from_tensor(&s.table, unit.params(), &gathered)?;
+    drop(gathered);
+    tl.mark(format!("{} {}", if unit.gathers() { "gather" } else { "use unsharded" }, unit.name()));
+    Ok(params)
+}
+
 // ANCHOR: phases
 /// One schedule entry's compute, on the gathered `p` (the unit's parameters
 /// in its flat order). Returns the unit's gradient sums when they are complete.
-fn run_phase(
+pub(crate) fn run_phase(
     s: &Session,
     phase: Phase,
     unit: &FsdpUnit,
     p: &[Var],
-    c: &mut Carry,
+    c: &mut StepState,
 ) -> anyhow::Result<Option<MicroBatchSum>> {
     let detached: Vec<Tensor> = p.iter().map(|v| v.as_detached_tensor()).collect(); // forward: no graph
     let tracked: Vec<Tensor> = p.iter().map(|v| v.as_tensor().clone()).collect(); // backward: a graph to the Vars
@@ -305,3 +279,15 @@ pub fn run_blocks(s: &Session, unit: &FsdpUnit, p: &[Tensor], x: &Tensor) -> any
     Ok(x)
 }
 // ANCHOR_END: phases
+
+impl FsdpUnit<'_> {
+    /// `buf += g` for gradients given by parameter-table entry (all of this
+    /// unit's), each onto its place in the unit's flat vector.
+    pub fn add_grads(&self, grads: &[(usize, Tensor)], buf: &mut [f32]) -> Result<(), fsdp_gpt::GptError> {
+        for (i, g) in grads {
+            let j = self.params.iter().position(|p| p == i).expect("a gradient of this unit's");
+            fsdp_gpt::model::add_into(&mut buf[self.ranges[j].clone()], g)?;
+        }
+        Ok(())
+    }
+}

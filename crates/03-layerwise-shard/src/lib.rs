@@ -8,13 +8,14 @@
 //! ```no_run
 //! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
 //! use step03_layerwise_shard::mixed_precision::MixedPrecision;
-//! use step03_layerwise_shard::units::{UnitComms, build_units};
+//! use step03_layerwise_shard::hsdp::UnitComms;
+//! use step03_layerwise_shard::units::build_units;
 //! use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
 //! // One block per unit over the world, resharded after every use, gathered in fp32 (FSDP2's defaults).
 //! let units = build_units(s, 1, &start, UnitComms::world(s.world), true, MixedPrecision::default())?;
 //! drop(start); // my shards are read
 //! let head_grad = step03_layerwise_shard::tally::lower_peak(s, &units, 0);
-//! let mut fsdp = LayerwiseShard { units, prefetch: 0, head_grad };
+//! let mut fsdp = LayerwiseShard { units, head_grad };
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }
 //! ```

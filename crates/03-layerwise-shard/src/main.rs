@@ -18,12 +18,12 @@ use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::mixed_precision::MixedPrecision;
-use step03_layerwise_shard::prefetch::reduce_on_stream;
+use step03_layerwise_shard::prefetch::{Prefetch, reduce_on_stream};
 use step03_layerwise_shard::tally::{
     bytes_per_step, prefetch_within_budget, reserve_receive_buffers, tally, units_json, unsharded_peak_table,
 };
 use step03_layerwise_shard::units::build_units;
-use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp};
+use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp, schedule};
 use step03_layerwise_shard::{describe_reduce, reduce_flag};
 
 const LESSON: Lesson =
@@ -140,7 +140,9 @@ fn main() -> ExitCode {
         ]);
 
         reserve_receive_buffers(&s, &units); // on the stream's thread under --prefetch
-        let mut fsdp = LayerwiseShard { units, prefetch, head_grad };
+        let mut fsdp = LayerwiseShard { units, head_grad };
+        // --prefetch: which gathers each entry hands to the stream, decided once from the schedule.
+        let plan = (prefetch > 0).then(|| Prefetch::new(&schedule(fsdp.units.len() - 1, head_grad), prefetch));
         let mut reference = args.check.then(|| WholeModelShard::new(&s, &start, true)).transpose()?; // recomputing, as this lesson does
         drop(start); // my shards are read: the start's source goes
         let mut timeline = MemoryTimeline::off();
@@ -148,7 +150,10 @@ fn main() -> ExitCode {
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         for step in s.steps() {
             timeline.record(step == s.first_step && !args.no_plot);
-            let loss = fsdp.step(&s, step, &mut timeline)?;
+            let loss = match &plan {
+                Some(p) => fsdp.overlapped_step(&s, step, &mut timeline, p)?,
+                None => fsdp.step(&s, step, &mut timeline)?,
+            };
             timeline.record(false);
             s.end_step(step, &mut run, loss, || fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
             if args.unit_digests && world.is_root() {

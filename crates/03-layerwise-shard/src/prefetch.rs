@@ -3,14 +3,18 @@
 //! stream (`--prefetch-depth K` entries ahead, two by default), and each
 //! unit's reduce-scatter runs there while the next unit's backward computes.
 //! The blocking step of `layerwise_shard.rs` is the idea; this is the same
-//! step, with the waits moved to where the data is needed.
+//! step, with the waits moved to where the data is needed, and which gathers
+//! each entry hands over decided once, from the schedule ([`Prefetch`]).
+use std::collections::VecDeque;
+
 use candle_core::{DType, Device, Tensor};
 use fsdp_comm::{MicroBatchSum, Pending, World};
 use fsdp_gpt::precision::bf16_tensor;
+use fsdp_harness::{MemoryTimeline, Session};
 
 use crate::head_grad::HeadGrad;
-use crate::layerwise_shard::{Phase, schedule};
-use crate::units::FsdpUnit;
+use crate::layerwise_shard::{LayerwiseShard, Phase, StepState, run_phase, schedule, unit_vars};
+use crate::units::{FsdpUnit, update_all};
 
 // ANCHOR: gathered_ahead
 /// The entries of `plan` whose all-gathers are in flight on the stream
@@ -35,7 +39,7 @@ pub const DEFAULT_PREFETCH_DEPTH: usize = 2;
 
 /// `--prefetch` and `--prefetch-depth` as the command line gives them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Prefetch {
+pub struct PrefetchAsked {
     /// Entries gathered ahead: 0 without `--prefetch`, K with `--prefetch-depth K`, else
     /// [`DEFAULT_PREFETCH_DEPTH`] (which the budget may lower).
     pub depth: usize,
@@ -45,7 +49,7 @@ pub struct Prefetch {
 
 /// The config table's line for the entries gathered ahead: `depth`, the
 /// one in use, and what was `asked` for.
-pub fn describe_prefetch(depth: usize, asked: Prefetch) -> String {
+pub fn describe_prefetch(depth: usize, asked: PrefetchAsked) -> String {
     let lowered = match depth < asked.depth {
         true => format!(" ({} would take the tally's peak past --mem-budget)", asked.depth),
         false => String::new(),
@@ -62,10 +66,10 @@ pub fn describe_prefetch(depth: usize, asked: Prefetch) -> String {
 /// without `--prefetch`, 0, or K past the end of the step's schedule for
 /// `block_units` block units (where the first entry already has every other
 /// ahead of it) is refused in one line.
-pub fn prefetch_depth(prefetch: bool, depth: Option<usize>, block_units: usize) -> anyhow::Result<Prefetch> {
+pub fn prefetch_depth(prefetch: bool, depth: Option<usize>, block_units: usize) -> anyhow::Result<PrefetchAsked> {
     let most = schedule(block_units, HeadGrad::Keep).len() - 1; // ahead of the first entry
     match (prefetch, depth) {
-        (false, None) => Ok(Prefetch { depth: 0, given: false }),
+        (false, None) => Ok(PrefetchAsked { depth: 0, given: false }),
         (false, Some(k)) => anyhow::bail!("--prefetch-depth {k} sets how far --prefetch reaches: add --prefetch"),
         (true, Some(0)) => {
             anyhow::bail!(
@@ -77,10 +81,99 @@ pub fn prefetch_depth(prefetch: bool, depth: Option<usize>, block_units: usize) 
              forward and backward, the head, the embedding's backward) leave at most {most} ahead of any: pass 1 to {most}",
             most + 1
         ),
-        (true, Some(k)) => Ok(Prefetch { depth: k, given: true }),
-        (true, None) => Ok(Prefetch { depth: DEFAULT_PREFETCH_DEPTH, given: false }),
+        (true, Some(k)) => Ok(PrefetchAsked { depth: k, given: true }),
+        (true, None) => Ok(PrefetchAsked { depth: DEFAULT_PREFETCH_DEPTH, given: false }),
     }
 }
+
+// ANCHOR: plan
+/// FSDP2's `set_modules_to_forward_prefetch`, computed once from the
+/// schedule: at each entry, the entries whose all-gathers are handed to the
+/// stream — each entry's once, `depth` entries ahead of it.
+pub struct Prefetch {
+    /// Entries gathered ahead (at most 1 + `depth` units unsharded).
+    pub depth: usize,
+    /// `issue[at]`: the entries whose gathers go to the stream at entry `at`.
+    issue: Vec<Vec<usize>>,
+}
+
+impl Prefetch {
+    pub fn new(schedule: &[Phase], depth: usize) -> Self {
+        let mut handed = 0; // entries before this one have had their gathers handed over
+        let issue = (0..schedule.len())
+            .map(|at| {
+                let from = handed;
+                let now: Vec<usize> = gathered_ahead(schedule, at, depth).filter(|&i| i >= from).collect();
+                handed = handed.max(at + 1 + depth);
+                now
+            })
+            .collect();
+        Self { depth, issue }
+    }
+}
+// ANCHOR_END: plan
+
+// ANCHOR: overlapped_step
+impl LayerwiseShard<'_> {
+    /// The step of `layerwise_shard.rs` under `--prefetch`: the next
+    /// entries' all-gathers handed to the stream as `plan` says, and each
+    /// unit's reduce-scatter handed there too, one unit's at a time.
+    pub fn overlapped_step(
+        &mut self,
+        s: &Session,
+        step: u64,
+        tl: &mut MemoryTimeline,
+        plan: &Prefetch,
+    ) -> anyhow::Result<f32> {
+        let w = s.world;
+        let mut c = StepState::for_step(s, step)?;
+        let entries = schedule(self.units.len() - 1, self.head_grad);
+        debug_assert_eq!(plan.issue.len(), entries.len(), "a plan for this schedule");
+        debug_assert!(self.units.iter().all(FsdpUnit::gathers), "prefetch gathers resharded units");
+        // The units of the next entries, being gathered on the stream, in the
+        // schedule's order (at most 1 + K units unsharded: this entry's and
+        // those of the next K) …
+        let mut ahead: VecDeque<(usize, Unsharding)> = VecDeque::with_capacity(plan.depth);
+        // … and the last unit whose reduce-scatter went to the stream.
+        let mut reducing: Option<usize> = None;
+        for (at, &phase) in entries.iter().enumerate() {
+            let unit = &self.units[phase.unit()];
+            // 1. unshard: the gather issued ahead, or an all-gather now
+            let params = match phase.needs_weights() {
+                false => vec![],
+                true => {
+                    let gathered = match ahead.front() {
+                        Some((i, _)) if *i == at => ahead.pop_front().expect("the front entry").1.wait(w)?,
+                        _ => unit.unshard()?,
+                    };
+                    unit_vars(s, unit, gathered, tl)?
+                }
+            };
+            // 2. prefetch: hand the next entries' all-gathers to the stream, then compute this one
+            for &i in &plan.issue[at] {
+                ahead.push_back((i, self.units[entries[i].unit()].unshard_async(w)?));
+            }
+            let label = || format!("{} {}", phase.label(), unit.name());
+            let grad_sum = w.traced(label, || run_phase(s, phase, unit, &params, &mut c))?;
+            tl.mark(label());
+
+            // 3. reshard (free the unit); after its backward, hand its
+            // reduce-scatter to the stream, one unit's at a time
+            drop(params);
+            if let Some(mut grads) = grad_sum {
+                let u = phase.unit();
+                one_in_flight(&mut self.units, &mut reducing, u, w);
+                self.units[u].reduce_scatter(w, &mut grads);
+                tl.mark(format!("reduce-scatter {}, free it", self.units[u].name()));
+            }
+        }
+        // 4. update: the last reduce-scatters waited for, then AdamW on my shards
+        w.traced(|| "AdamW update".into(), || update_all(&mut self.units, s, 1.0 / s.sampler.micro_batches as f32))?;
+        tl.mark("AdamW on my shards");
+        Ok((w.sum_f64(&[c.loss_sum])[0] / s.sampler.micro_batches as f64) as f32)
+    }
+}
+// ANCHOR_END: overlapped_step
 
 /// A unit's all-gather in flight on the communication stream.
 pub enum Unsharding {
@@ -119,6 +212,14 @@ impl FsdpUnit<'_> {
                 w.all_gather_async_in(g, (self.mp.bf16_wire)(&self.master), vec![0; n]).label(w, label),
             )),
             other => Err(candle_core::Error::Msg(format!("param_dtype {other:?}: units gather in F32 or BF16"))),
+        }
+    }
+
+    /// Waits for the unit's reduce-scatter in flight, if any: afterwards its
+    /// gradient shard is here.
+    pub fn wait_grad(&mut self, w: &World) {
+        if let Some(p) = self.reducing.take() {
+            self.grad = p.wait(w); // under HSDP, recorded in the shard and replica groups
         }
     }
 
@@ -195,5 +296,32 @@ mod tests {
             past.contains("--prefetch-depth 11") && past.contains("its 11 entries") && past.contains("pass 1 to 10"),
             "{past}"
         );
+    }
+
+    /// The plan issues exactly the gathers the step used to decide entry by
+    /// entry: each entry's once, as soon as it is `depth` ahead.
+    #[test]
+    fn the_plan_issues_what_the_step_decided_entry_by_entry() {
+        for head in [HeadGrad::Keep, HeadGrad::Recompute] {
+            for blocks in [1, 2, 4] {
+                let plan = schedule(blocks, head);
+                for depth in 0..=plan.len() {
+                    let mut handed = 0;
+                    let mut old = vec![];
+                    for at in 0..plan.len() {
+                        old.push(gathered_ahead(&plan, at, depth).filter(|&i| i >= handed).collect::<Vec<_>>());
+                        handed = handed.max(at + 1 + depth);
+                    }
+                    assert_eq!(Prefetch::new(&plan, depth).issue, old, "{head:?}, {blocks} blocks, depth {depth}");
+                }
+            }
+        }
+        // E F1 F2 F3 F4 H B4 B3 B2 B1 EB at depth 2: two gathers at the first entry, one at each after,
+        // none for the embedding's backward (no weights).
+        let p = Prefetch::new(&schedule(4, HeadGrad::Keep), 2);
+        assert_eq!(p.issue[0], [1, 2]);
+        assert_eq!(p.issue[1], [3]);
+        assert_eq!(p.issue[7], [9]);
+        assert!(p.issue[8].is_empty() && p.issue[10].is_empty());
     }
 }

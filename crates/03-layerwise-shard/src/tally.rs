@@ -9,9 +9,8 @@ use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
 
 use crate::head_grad::HeadGrad;
-use crate::hsdp::in_flight_part;
 use crate::layerwise_shard::schedule;
-use crate::prefetch::{Prefetch, gathered_ahead};
+use crate::prefetch::{PrefetchAsked, gathered_ahead};
 use crate::units::FsdpUnit;
 
 // ANCHOR: tally
@@ -300,7 +299,7 @@ pub fn lower_peak(s: &Session, units: &[FsdpUnit], prefetch: usize) -> HeadGrad 
 pub fn prefetch_within_budget(
     s: &Session,
     units: &[FsdpUnit],
-    asked: Prefetch,
+    asked: PrefetchAsked,
     head: Option<HeadGrad>,
 ) -> (usize, HeadGrad) {
     let at = |depth| (depth, head.unwrap_or_else(|| lower_peak(s, units, depth)));
@@ -417,3 +416,17 @@ pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit]) {
         }
     }
 }
+
+// ANCHOR: in_flight_part
+/// Under HSDP with the stream, a unit's reduction in flight holds, beyond
+/// its sums, the replica all-reduce's part: 1/R of its shard (padded to R
+/// parts). The tally's row for it, `(category, elements, note)`.
+pub fn in_flight_part(s: &Session, u: &FsdpUnit) -> Option<(String, usize, &'static str)> {
+    u.comms.replica.filter(|_| u.on_stream)?;
+    let r = s.world.size() / u.comms.shard.size();
+    (r > 1).then(|| {
+        let part = u.layout.shard_len.div_ceil(r);
+        (format!("{}'s replica all-reduce part (fp32)", u.name), part, "1/R of its shard, in flight with it")
+    })
+}
+// ANCHOR_END: in_flight_part

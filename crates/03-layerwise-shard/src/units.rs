@@ -10,13 +10,13 @@
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_comm::{Comm, Group, MicroBatchSum, Pending, ShardLayout, World};
+use fsdp_comm::{MicroBatchSum, Pending, ShardLayout, World};
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_gpt::precision::bf16_tensor;
 use fsdp_gpt::{AdamW, ParamTable, Unit};
 use fsdp_harness::{Session, Start, exercise};
 
-use crate::hsdp::all_reduce_shard;
+use crate::hsdp::{UnitComms, all_reduce_shard};
 use crate::mixed_precision::MixedPrecision;
 
 // ANCHOR: unit_params
@@ -35,27 +35,6 @@ pub fn unit_params(table: &ParamTable, n_layer: usize, blocks_per_unit: usize) -
     units
 }
 // ANCHOR_END: unit_params
-
-/// The communicators a unit is sharded over, handed to it once by `main`
-/// (FSDP2's `fully_shard(module, mesh=…)`): the world's, or under HSDP
-/// ([`crate::hsdp::unit_comms`]) my shard group's, with my replica group's beside it.
-#[derive(Clone, Copy)]
-pub struct UnitComms<'w> {
-    /// Where the unit's shards are: its all-gathers and reduce-scatters run here.
-    pub shard: &'w Comm,
-    /// HSDP: the ranks that hold my shard in the other shard groups; each
-    /// reduce-scattered shard is summed across them.
-    pub replica: Option<&'w Comm>,
-    /// The communication stream's twin of `shard` (the stream runs over communicators of its own).
-    pub stream: Group,
-}
-
-impl<'w> UnitComms<'w> {
-    /// Sharded over the whole world (full sharding).
-    pub fn world(w: &'w World) -> Self {
-        Self { shard: w, replica: None, stream: Group::World }
-    }
-}
 
 /// One unit on one rank: everything about it is sharded between steps.
 pub struct FsdpUnit<'w> {
@@ -82,9 +61,8 @@ pub struct FsdpUnit<'w> {
     pub(crate) mp: MixedPrecision,
     /// FSDP2's `reshard_after_forward` ([`build_units`]).
     pub(crate) reshard_after_forward: bool,
-    /// Its reduce-scatters go to the communication stream (`--prefetch`,
-    /// `--overlap-comm`: [`crate::prefetch::reduce_on_stream`]), the call
-    /// returning at once; else they block.
+    /// Its reduce-scatters go to the communication stream, returning at once
+    /// (`--prefetch`, `--overlap-comm`: [`crate::prefetch::reduce_on_stream`]).
     pub(crate) on_stream: bool,
     /// `reshard_after_forward: false`: the unsharded parameters, kept.
     pub(crate) unsharded: Option<Tensor>,
@@ -230,14 +208,6 @@ impl<'w> FsdpUnit<'w> {
         }
     }
 
-    /// Waits for the unit's reduce-scatter in flight, if any: afterwards its
-    /// gradient shard is here.
-    pub fn wait_grad(&mut self, w: &World) {
-        if let Some(p) = self.reducing.take() {
-            self.grad = p.wait(w); // under HSDP, recorded in the shard and replica groups
-        }
-    }
-
     /// AdamW on my shard, with the gradient scaled by `f` (the mean's 1/M
     /// already applied: [`update_all`]); a kept unsharded copy is then
     /// refreshed by an all-gather of the new weights.
@@ -253,16 +223,28 @@ impl<'w> FsdpUnit<'w> {
         }
         Ok(())
     }
+}
 
-    /// `buf += g` for gradients given by parameter-table entry (all of this
-    /// unit's), each onto its place in the unit's flat vector.
-    pub fn add_grads(&self, grads: &[(usize, Tensor)], buf: &mut [f32]) -> Result<(), fsdp_gpt::GptError> {
-        for (i, g) in grads {
-            let j = self.params.iter().position(|p| p == i).expect("a gradient of this unit's");
-            fsdp_gpt::model::add_into(&mut buf[self.ranges[j].clone()], g)?;
-        }
-        Ok(())
-    }
+/// Every unit of the model on this rank, root first: my shard of each, cut
+/// from `start` (the seed's weights, or a checkpoint's with AdamW's moments):
+/// FSDP2's `fully_shard(unit, mesh=comms, reshard_after_forward=…, mp_policy=mp)`.
+/// `reshard_after_forward` `true` (this lesson, FSDP2's default): a unit's
+/// parameters are freed after every use and gathered again for the next, twice
+/// per step. `false` (ZeRO-1 and ZeRO-2, lesson 04): they stay unsharded from
+/// step to step, refreshed by one all-gather after the update, where FSDP2
+/// frees them after backward and gathers again next step: the same bytes, at another time.
+pub fn build_units<'w>(
+    s: &Session,
+    blocks_per_unit: usize,
+    start: &Start,
+    comms: UnitComms<'w>,
+    reshard_after_forward: bool,
+    mp: MixedPrecision,
+) -> anyhow::Result<Vec<FsdpUnit<'w>>> {
+    unit_params(&s.table, s.cfg.n_layer, blocks_per_unit)
+        .into_iter()
+        .map(|(name, params)| FsdpUnit::new(s, name, params, start, comms, reshard_after_forward, mp))
+        .collect()
 }
 
 // ANCHOR: model_ranges
@@ -285,32 +267,6 @@ pub fn model_ranges(table: &ParamTable, params: &[usize], layout: ShardLayout, r
     out
 }
 // ANCHOR_END: model_ranges
-
-/// Every unit of the model on this rank, root first: my shard of each, cut
-/// from `start` (the seed's weights, or a checkpoint's with AdamW's moments)
-/// — FSDP2's `fully_shard(module, mesh=comms, reshard_after_forward=…,
-/// mp_policy=mp)` on each block unit and the root.
-///
-/// `reshard_after_forward`: `true` (this lesson, FSDP2's default), the
-/// unsharded parameters are freed after every use and all-gathered again for
-/// the next, so a unit is gathered twice per step. `false`: they are not
-/// freed after forward. FSDP2 then frees them after backward and gathers
-/// again next step; here they go further and stay unsharded from step to
-/// step, refreshed by one all-gather right after the update (what ZeRO-1 and
-/// ZeRO-2 do, lesson 04): the same bytes per step, gathered at another time.
-pub fn build_units<'w>(
-    s: &Session,
-    blocks_per_unit: usize,
-    start: &Start,
-    comms: UnitComms<'w>,
-    reshard_after_forward: bool,
-    mp: MixedPrecision,
-) -> anyhow::Result<Vec<FsdpUnit<'w>>> {
-    unit_params(&s.table, s.cfg.n_layer, blocks_per_unit)
-        .into_iter()
-        .map(|(name, params)| FsdpUnit::new(s, name, params, start, comms, reshard_after_forward, mp))
-        .collect()
-}
 
 // ANCHOR: update_all
 /// The update of every unit: the mean gradient (× `inv`, 1/M), clipped

@@ -1,7 +1,8 @@
 //! # step04-optimizer-state-shard — where the memory really goes
 //!
 //! [`OptimizerStateShard`] trains at ZeRO stage 1, 2 or 3 over lesson 03's
-//! units; [`zero`] holds the bytes: the paper's per-device formulas (the
+//! units; [`overlap`] overlaps its communication with compute (stage 3's
+//! `--prefetch`, stages 1 and 2's `--overlap-comm`); [`zero`] holds the bytes: the paper's per-device formulas (the
 //! `zero-tally` binary behind `just tally`) and this run's tally per stage.
 //!
 //! ```
@@ -12,9 +13,10 @@
 //! assert_eq!(model_state_bytes(7e9, 64, 3, 12.0), 1.75e9);
 //! ```
 pub mod optimizer_state_shard;
+pub mod overlap;
 pub mod zero;
 
-pub use optimizer_state_shard::OptimizerStateShard;
+pub use optimizer_state_shard::{OptimizerStateShard, Overlap};
 
 // The exercises: yours (src/exercises.rs) and the answers, with the same
 // signatures; `--mine K` makes the step call yours (fsdp_harness::exercise).

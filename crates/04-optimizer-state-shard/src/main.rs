@@ -20,8 +20,8 @@ use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise}
 use step03_layerwise_shard::prefetch::{describe_prefetch, prefetch_depth};
 use step03_layerwise_shard::tally::bytes_per_step;
 use step03_layerwise_shard::{HeadGrad, describe_reduce, hsdp, reduce_flag};
-use step04_optimizer_state_shard::OptimizerStateShard;
 use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally, stage2_tally};
+use step04_optimizer_state_shard::{OptimizerStateShard, Overlap};
 
 const LESSON: Lesson = Lesson {
     package: "step04-optimizer-state-shard",
@@ -127,15 +127,16 @@ fn main() -> ExitCode {
         fsdp_harness::lesson::agree(world, needs)?;
         // The communicators, split once (under --hsdp the mesh), every rank together.
         let comms = hsdp::unit_comms(world, args.hsdp);
+        let overlap = Overlap { prefetch: asked, overlap_comm: args.overlap_comm }; // each refused where it does not apply
         let mut zero = OptimizerStateShard::new(
             &s,
             start,
             args.stage,
             args.precision,
-            (asked, args.overlap_comm), // each refused where it does not apply
+            comms,
             args.recompute,
             args.head_grad,
-            comms,
+            overlap,
         )?;
         let head_grad = zero.fsdp.head_grad;
         let mut rows = vec![
@@ -146,7 +147,7 @@ fn main() -> ExitCode {
             ),
             ("gradient reduce dtype", describe_reduce(args.reduce_dtype)),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
-            ("prefetch", describe_prefetch(zero.fsdp.prefetch, asked)),
+            ("prefetch", describe_prefetch(zero.prefetch_depth(), asked)),
             (
                 "tied wte's gradient",
                 match args.stage {
@@ -175,7 +176,10 @@ fn main() -> ExitCode {
         world.reset_traffic(); // stages 1–2 gathered their resident copies: setup, not a step
         let mut run = s.start_training()?; // the clock, a fresh peak; does the state alone fit the budget?
         for step in s.steps() {
-            let loss = zero.step(&s, step, &mut MemoryTimeline::off())?;
+            let loss = match zero.overlapped() {
+                true => zero.overlapped_step(&s, step, &mut MemoryTimeline::off())?,
+                false => zero.step(&s, step, &mut MemoryTimeline::off())?,
+            };
             s.end_step(step, &mut run, loss, || zero.fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
         }
         run.finish();
@@ -192,7 +196,7 @@ fn main() -> ExitCode {
             largest_padded: largest.layout().padded,
             ranks: largest.layout().world, // N, or S under --hsdp
             compute_bytes: args.precision.bytes(),
-            prefetch: zero.fsdp.prefetch,
+            prefetch: zero.prefetch_depth(),
             sum_groups: s.sum_groups.per_rank(),
             sum_buffers: s.sum_groups.buffers(),
         };
@@ -214,7 +218,7 @@ fn main() -> ExitCode {
         let memory = match args.stage {
             1 => stage1_tally(&s, units, args.recompute, zero.overlap_comm),
             2 => stage2_tally(&s, units, args.recompute, zero.overlap_comm),
-            _ => step03_layerwise_shard::tally::tally(&s, units, zero.fsdp.prefetch, head_grad), // lesson 03's schedule
+            _ => step03_layerwise_shard::tally::tally(&s, units, zero.prefetch_depth(), head_grad), // lesson 03's schedule
         };
         let mut report = Report::new(&s, &run, memory);
         let layouts: Vec<_> = units.iter().map(|u| u.layout()).collect();

@@ -24,22 +24,31 @@ use fsdp_comm::MicroBatchSum;
 use fsdp_gpt::Precision;
 use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
+use step03_layerwise_shard::hsdp::UnitComms;
 use step03_layerwise_shard::mixed_precision::MixedPrecision;
-use step03_layerwise_shard::prefetch::{Prefetch, one_in_flight, reduce_on_stream};
+use step03_layerwise_shard::prefetch::{Prefetch, PrefetchAsked, one_in_flight, reduce_on_stream};
 use step03_layerwise_shard::tally::{prefetch_within_budget, reserve_receive_buffers};
-use step03_layerwise_shard::units::{FsdpUnit, UnitComms, build_units, update_all};
-use step03_layerwise_shard::{HeadGrad, LayerwiseShard};
+use step03_layerwise_shard::units::{FsdpUnit, build_units, update_all};
+use step03_layerwise_shard::{HeadGrad, LayerwiseShard, schedule};
+
+/// The overlap flags as the command line gives them, each refused where it
+/// does not apply: stage 3's `--prefetch` (and `--prefetch-depth`), stages
+/// 1 and 2's `--overlap-comm`. What they do is `overlap.rs`'s.
+#[derive(Debug, Clone, Copy)]
+pub struct Overlap {
+    pub prefetch: PrefetchAsked,
+    pub overlap_comm: bool,
+}
 
 /// One rank's share of the training state at ZeRO stage `stage`.
 pub struct OptimizerStateShard<'w> {
     pub stage: u8,
     /// `--recompute` (stages 1 and 2; stage 3 always recomputes).
     pub recompute: bool,
-    /// `--overlap-comm` (stages 1 and 2, DeepSpeed's `overlap_comm`): each
-    /// unit's reduce-scatter handed to the communication stream as soon as
-    /// my last micro-batch's backward completes its sum, while the blocks
-    /// below still compute. (Stage 3 overlaps with lesson 03's `--prefetch`.)
+    /// `--overlap-comm` (stages 1 and 2, DeepSpeed's `overlap_comm`: `overlap.rs`).
     pub overlap_comm: bool,
+    /// Stage 3's `--prefetch`: lesson 03's plan of the gathers handed to the stream.
+    pub prefetch: Option<Prefetch>,
     /// The units (one per block, and the root) and lesson 03's schedule over them.
     pub fsdp: LayerwiseShard<'w>,
 }
@@ -52,38 +61,38 @@ impl<'w> OptimizerStateShard<'w> {
         start: Start,
         stage: u8,
         precision: Precision,
-        (asked, overlap_comm): (Prefetch, bool), // stage 3's units gathered ahead; stages 1 and 2's overlap_comm
+        comms: UnitComms<'w>, // the world's, or under `--hsdp S` the mesh's (lesson 03's)
         recompute: bool,
         head_grad: Option<HeadGrad>,
-        comms: UnitComms<'w>, // the world's, or under `--hsdp S` the mesh's (lesson 03's)
+        overlap: Overlap, // FSDP2's at stage 3 (`--prefetch`), DeepSpeed's `overlap_comm` at 1 and 2
     ) -> anyhow::Result<Self> {
-        // Overlap: FSDP2's at stage 3 (`--prefetch`), DeepSpeed's `overlap_comm` at 1 and 2.
-        let (prefetch, overlap_comm) = (if stage == 3 { asked.depth } else { 0 }, overlap_comm && stage < 3);
-        let overlap = prefetch > 0 || overlap_comm;
         // Stages 1 and 2 keep each unit's compute copy unsharded from step to
         // step (FSDP2: `reshard_after_forward=False`); stage 3 reshards it.
         // bf16 travels as each element's rounded bits (exercise 4.2).
         let mp = MixedPrecision { param_dtype: precision.dtype(), bf16_wire };
         let mut units = build_units(s, 1, &start, comms, stage == 3, mp)?;
-        if overlap {
+        if overlap.on_stream(stage) {
             reduce_on_stream(&mut units);
         }
         drop(start); // my shards are read: the start's source goes
         reserve_receive_buffers(s, &units); // on the stream's thread when it reduces
         // Stage 3 runs lesson 03's schedule: how far it prefetches, memory
         // allowing, and what waits for the tied wte (lesson 03's defaults).
-        let (prefetch, head_grad) = match stage {
-            3 => prefetch_within_budget(s, &units, asked, head_grad),
+        let (depth, head_grad) = match stage {
+            3 => prefetch_within_budget(s, &units, overlap.prefetch, head_grad),
             _ => (0, HeadGrad::Keep), // unused: stages 1 and 2 run their own schedules
         };
-        Ok(Self { stage, recompute, overlap_comm, fsdp: LayerwiseShard { units, prefetch, head_grad } })
+        let prefetch = (depth > 0).then(|| Prefetch::new(&schedule(units.len() - 1, head_grad), depth));
+        let overlap_comm = overlap.overlap_comm && stage < 3;
+        Ok(Self { stage, recompute, overlap_comm, prefetch, fsdp: LayerwiseShard { units, head_grad } })
     }
     // ANCHOR_END: new
 
-    /// One training step; returns the mean loss over the global batch.
+    /// One training step, every collective blocking; returns the mean loss
+    /// over the global batch (with the overlap flags: `overlap.rs`).
     pub fn step(&mut self, s: &Session, step: u64, tl: &mut MemoryTimeline) -> anyhow::Result<f32> {
         match self.stage {
-            1 => whole_model_step(&mut self.fsdp.units, s, step, self.recompute, self.overlap_comm, tl),
+            1 => whole_model_step(&mut self.fsdp.units, s, step, self.recompute, tl),
             2 => blockwise_step(&mut self.fsdp.units, s, step, self.recompute, tl),
             _ => self.fsdp.step(s, step, tl), // stage 3: lesson 03's unit-by-unit step
         }
@@ -94,14 +103,11 @@ impl<'w> OptimizerStateShard<'w> {
 // ANCHOR: step
 /// ZeRO-1: forward/backward through the whole replicated compute copy,
 /// reduce-scatter the gradient, update my shard, all-gather the new weights.
-/// Under `--overlap-comm` my last micro-batch runs block by block instead,
-/// and each unit's sum goes to the stream as soon as that backward completes it.
 fn whole_model_step(
     units: &mut [FsdpUnit],
     s: &Session,
     step: u64,
     recompute: bool,
-    overlap_comm: bool,
     tl: &mut MemoryTimeline,
 ) -> anyhow::Result<f32> {
     let w = s.world;
@@ -109,26 +115,16 @@ fn whole_model_step(
     tl.mark("compute copy as candle Vars");
 
     // 1. forward/backward on my micro-batches: the *whole* gradient, summed in fp32
-    let mut sums: Vec<Option<MicroBatchSum>> = units.iter().map(|u| Some(s.grad_sum(u.layout().padded))).collect(); // one per unit
-    let (mut loss_sum, last) = (0.0, s.my_micro_batches().end - 1);
+    let mut sums: Vec<MicroBatchSum> = units.iter().map(|u| s.grad_sum(u.layout().padded)).collect(); // one per unit
+    let mut loss_sum = 0.0;
     for k in s.my_micro_batches() {
-        let loss = if overlap_comm && k == last {
-            hand_offs(units, &mut sums, s, &vars, step, k, recompute, |unit, sum, grads| {
-                let mut sum = sum.take().expect("a unit is handed on once");
-                sum.add(|buf| unit.add_grads(grads, buf))?;
-                unit.reduce_scatter(w, &mut sum); // on the stream; the sum's buffers go with it
-                Ok(())
-            })?
-        } else {
-            let (loss, grads) = w.traced(
-                || format!("forward+backward, micro-batch {k}"),
-                || s.forward_backward(&vars, step, k, recompute),
-            )?;
-            for ((sum, vs), u) in sums.iter_mut().flatten().zip(&per_unit).zip(units.iter()) {
-                sum.add(|buf| grads.add_to(u.params(), vs, buf))?;
-            }
-            loss
-        };
+        let (loss, grads) = w.traced(
+            || format!("forward+backward, micro-batch {k}"),
+            || s.forward_backward(&vars, step, k, recompute),
+        )?;
+        for ((sum, vs), u) in sums.iter_mut().zip(&per_unit).zip(units.iter()) {
+            sum.add(|buf| grads.add_to(u.params(), vs, buf))?;
+        }
         loss_sum += loss as f64;
         tl.mark(format!("forward+backward, micro-batch {k}"));
     }
@@ -136,9 +132,7 @@ fn whole_model_step(
 
     // 2. reduce-scatter: I keep the rank-ordered sum of my shard, and free the rest
     for (u, sum) in units.iter_mut().zip(&mut sums) {
-        if let Some(sum) = sum {
-            u.reduce_scatter(w, sum); // not yet handed on: every unit, without --overlap-comm
-        }
+        u.reduce_scatter(w, sum);
     }
     drop(sums);
     tl.mark("reduce-scatter the gradient");
@@ -156,7 +150,7 @@ fn whole_model_step(
 /// sum and the gradients — with at most one reduce-scatter in flight
 /// ([`one_in_flight`]), so that no more than one unit's sum travels at once.
 #[allow(clippy::too_many_arguments)]
-fn hand_offs(
+pub(crate) fn hand_offs(
     units: &mut [FsdpUnit],
     sums: &mut [Option<MicroBatchSum>],
     s: &Session,
@@ -200,7 +194,7 @@ fn unit_of(units: &[FsdpUnit], grads: &[(usize, candle_core::Tensor)]) -> usize 
 /// at that moment and freed, while the blocks below still compute. (With one
 /// micro-batch per rank the whole gradient never exists at once; with more,
 /// each unit's sum lives from the first micro-batch to that hand-off.)
-fn blockwise_step(
+pub(crate) fn blockwise_step(
     units: &mut [FsdpUnit],
     s: &Session,
     step: u64,
@@ -238,7 +232,7 @@ fn blockwise_step(
 // ANCHOR_END: stage2
 
 /// The resident compute copy as candle Vars: per unit, and in model order.
-fn resident_vars(units: &[FsdpUnit], s: &Session) -> anyhow::Result<(Vec<Vec<Var>>, Vec<Var>)> {
+pub(crate) fn resident_vars(units: &[FsdpUnit], s: &Session) -> anyhow::Result<(Vec<Vec<Var>>, Vec<Var>)> {
     let per_unit: Vec<Vec<Var>> = units
         .iter()
         .map(|u| Ok(s.model.vars_from_tensor(&s.table, u.params(), &u.unshard()?)?))

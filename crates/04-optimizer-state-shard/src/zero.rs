@@ -4,8 +4,7 @@
 use fsdp_gpt::Unit;
 use fsdp_harness::table::{Table, mb};
 use fsdp_harness::{MemoryTally, Moment, Session};
-use step03_layerwise_shard::hsdp::in_flight_part;
-use step03_layerwise_shard::tally::{largest_padded, receive_buffers};
+use step03_layerwise_shard::tally::{in_flight_part, largest_padded, receive_buffers};
 use step03_layerwise_shard::units::FsdpUnit;
 
 /// The schemes compared: plain data parallelism (lesson 01) and ZeRO 1–3.
