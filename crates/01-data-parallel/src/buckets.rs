@@ -29,8 +29,8 @@ use std::ops::Range;
 use std::time::Instant;
 
 use candle_core::Var;
-use fsdp_comm::{Adding, MicroBatchSum, Pending, ShardLayout, World};
-use fsdp_gpt::blockwise::{self, Mark};
+use fsdp_comm::{MicroBatchSlot, MicroBatchSum, Pending, ShardLayout, World};
+use fsdp_gpt::blockwise::{self, Milestone};
 use fsdp_gpt::model::add_into;
 use fsdp_gpt::{ParamTable, Precision, Unit};
 use fsdp_harness::{MemoryTally, Moment, Session, Start};
@@ -154,11 +154,11 @@ impl Buckets {
 
     /// Unit `u`'s gradient is final in `adding` (my last micro-batch): every
     /// bucket it completes is packed and handed to the communication stream.
-    pub fn unit_done(&mut self, w: &World, u: Unit, adding: &Adding) {
+    pub fn unit_done(&mut self, w: &World, u: Unit, slot: &MicroBatchSlot) {
         let (groups, world) = (self.groups, self.world);
         for (i, b) in self.list.iter_mut().enumerate().filter(|(_, b)| b.units.last() == Some(&u)) {
             let (mut buf, shard) = b.bufs.take().expect("a bucket is all-reduced once per step");
-            pack(b, groups, world, &mut buf, |g, piece| adding.final_part(g, piece));
+            pack(b, groups, world, &mut buf, |g, piece| slot.final_part(g, piece));
             let pending = w.all_reduce_async(buf, groups, shard);
             // The label is built only when a trace is being recorded.
             b.in_flight = Some(pending.label(w, || format!("all_reduce bucket {i} ({})", b.name())));
@@ -320,8 +320,8 @@ pub fn backward_in_buckets(
         &batch,
         recompute,
         |m| match m {
-            Mark::Forward => mark(&|| format!("forward, micro-batch {k}")),
-            Mark::Head => mark(&|| "head forward+backward".into()),
+            Milestone::ForwardDone => mark(&|| format!("forward, micro-batch {k}")),
+            Milestone::HeadDone => mark(&|| "head forward+backward".into()),
         },
         |unit, grads| {
             for (i, g) in &grads {

@@ -59,10 +59,10 @@ pub fn backward_entry(
 /// 3.2: each element squared exactly and added into one fixed-point
 /// integer, then every rank's integer added (exact: any order, the same
 /// bits); only the square root rounds.
-pub fn global_norm(group: &Comm, shards: &[&[f32]]) -> f64 {
+pub fn global_norm(comm: &Comm, shards: &[&[f32]]) -> f64 {
     let mut mine = ExactSquares::default();
     for g in shards {
         mine.merge(&ExactSquares::of(g));
     }
-    group.exact_sum(&mine).norm()
+    comm.exact_sum(&mine).norm()
 }

@@ -60,14 +60,14 @@ pub fn backward_entry(
 /// **Exercise 3.2 — the global norm across shards.** Under `--grad-clip`
 /// the mean gradient is scaled by min(1, C / (‖g‖ + 1e-6)), where ‖g‖ is
 /// the norm of the *whole* gradient. This rank holds only `shards`: its
-/// shard of every unit's mean gradient (padding is zeros); `group` is the
+/// shard of every unit's mean gradient (padding is zeros); `comm` is the
 /// ranks that share the model between them (the world; under `--hsdp`, my
-/// shard group). Return ‖g‖ over every element of every shard in `group`,
+/// shard group). Return ‖g‖ over every element of every shard in `comm`,
 /// the same f64 on every rank, with the sum of squares exact
 /// (`fsdp_comm::ExactSquares`), so that no split of the model over ranks
 /// changes a bit of it.
-pub fn global_norm(group: &Comm, shards: &[&[f32]]) -> f64 {
+pub fn global_norm(comm: &Comm, shards: &[&[f32]]) -> f64 {
     // TODO(exercise): 3.2
-    let _ = (group, shards);
+    let _ = (comm, shards);
     todo!("exercise 3.2: the norm of the whole gradient, from every rank's shards")
 }

@@ -13,7 +13,7 @@
 //! and reports what each group sent beside its theory (the tally's rows for
 //! HSDP's buffers are `tally.rs`'s).
 use anyhow::anyhow;
-use fsdp_comm::{Collective, Comm, Group, ShardLayout, Traffic, World};
+use fsdp_comm::{Collective, Comm, CommOf, ShardLayout, Traffic, World};
 use fsdp_harness::{Report, Session};
 
 /// `--hsdp S`, checked on every rank together: refused in one line where it cannot run.
@@ -76,13 +76,13 @@ pub struct UnitComms<'w> {
     /// reduce-scattered shard is summed across them.
     pub replica: Option<&'w Comm>,
     /// The communication stream's twin of `shard` (the stream runs over communicators of its own).
-    pub stream: Group,
+    pub stream: CommOf,
 }
 
 impl<'w> UnitComms<'w> {
     /// Sharded over the whole world (full sharding).
     pub fn world(w: &'w World) -> Self {
-        Self { shard: w, replica: None, stream: Group::World }
+        Self { shard: w, replica: None, stream: CommOf::World }
     }
 }
 
@@ -97,7 +97,7 @@ pub fn unit_comms(w: &World, hsdp: Option<usize>) -> UnitComms<'_> {
         None => UnitComms::world(w),
         Some(size) => {
             let mesh = w.mesh(size);
-            UnitComms { shard: &mesh.shard, replica: Some(&mesh.replica), stream: Group::Shard }
+            UnitComms { shard: &mesh.shard, replica: Some(&mesh.replica), stream: CommOf::Shard }
         }
     }
 }
@@ -118,12 +118,12 @@ pub fn describe(n: usize, hsdp: Option<usize>) -> String {
 /// What training sent: the world's communicator and, under HSDP, the
 /// shard and replica groups' — taken when training ends, before a final
 /// gather that is not part of it.
-pub struct Sent {
+pub struct TrainingTraffic {
     world: Traffic,
     mesh: Option<(Traffic, Traffic)>,
 }
 
-impl Sent {
+impl TrainingTraffic {
     pub fn now(w: &World) -> Self {
         Self { world: w.traffic(), mesh: w.mesh_if_split().map(|m| (m.shard.traffic(), m.replica.traffic())) }
     }
@@ -144,7 +144,14 @@ pub fn all_reduce_bytes(units: &[ShardLayout], replicas: usize) -> u64 {
 /// shard group), the replica all-reduce under HSDP, `--grad-clip`'s norm
 /// over the ranks that share the model. Under HSDP a second table splits
 /// the bytes by communicator.
-pub fn report_traffic(report: &mut Report, s: &Session, units: &[ShardLayout], sent: Sent, gather: u64, scatter: u64) {
+pub fn report_traffic(
+    report: &mut Report,
+    s: &Session,
+    units: &[ShardLayout],
+    sent: TrainingTraffic,
+    gather: u64,
+    scatter: u64,
+) {
     let (n, size) = (s.world.size(), units[0].world);
     let all_reduce = sent.mesh.is_some().then(|| all_reduce_bytes(units, n / size));
     let clip = s.clip_traffic_over(size);
@@ -161,8 +168,8 @@ pub fn report_traffic(report: &mut Report, s: &Session, units: &[ShardLayout], s
     in_group.extend(clip.map(|b| (Collective::GradNorm, b)));
     report
         .traffic(sent.world.plus(&shard).plus(&replica))
-        .group_traffic(format!("shard group ({size} ranks)"), shard, in_group)
-        .group_traffic(
+        .comm_traffic(format!("shard group ({size} ranks)"), shard, in_group)
+        .comm_traffic(
             format!("replica group ({} ranks)", n / size),
             replica,
             all_reduce.map(|b| (Collective::AllReduce, b)).into_iter().collect(),

@@ -175,7 +175,7 @@ fn main() -> ExitCode {
         run.finish();
         let reference_tally = reference.as_ref().map(|r| r.tally(&s));
         drop(reference);
-        let sent = hsdp::Sent::now(world);
+        let sent = hsdp::TrainingTraffic::now(world);
         let full = fsdp.gather_full(&s);
 
         let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout()).collect();

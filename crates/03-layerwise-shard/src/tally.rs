@@ -1,7 +1,7 @@
 //! What lesson 03 holds per rank, from shapes alone, and the bytes its
 //! collectives must move: the numbers the report prints beside the
 //! measured heap and the counted traffic.
-use fsdp_comm::{Group, ShardLayout};
+use fsdp_comm::{CommOf, ShardLayout};
 use fsdp_gpt::kernels::Probs;
 use fsdp_gpt::memory::block_activations;
 use fsdp_harness::memory_tally::{embedding_rows, pass_rows, tape_rows};
@@ -33,8 +33,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         .add("AdamW m shards", shard, 4, &share)
         .add("AdamW v shards", shard, 4, &share)
         .add("grad shards (fp32)", shard, 4, "reduce-scattered, 1/N of every unit");
-    for (group, category, len, note) in receive_buffers(s, units) {
-        let elem = if group == fsdp_comm::Group::Replica { 4 } else { s.reduce_dtype.bytes() }; // (HSDP: fp32 only)
+    for (over, category, len, note) in receive_buffers(s, units) {
+        let elem = if over == fsdp_comm::CommOf::Replica { 4 } else { s.reduce_dtype.bytes() }; // (HSDP: fp32 only)
         k.add(category, len, elem, note);
     }
     s.data_tally(&mut k);
@@ -366,18 +366,18 @@ pub fn largest_padded(units: &[FsdpUnit]) -> usize {
     units.iter().map(|u| u.layout().padded).max().unwrap_or(0)
 }
 
-/// The ordered reductions' receive buffers, as `(group, category,
+/// The ordered reductions' receive buffers, as `(communicator, category,
 /// elements, note)`, kept from the first step on: the reduce-scatter's
 /// all-to-all input for the largest unit and, under HSDP, the replica
 /// all-reduce's, one shard long. What a tally counts and
 /// [`reserve_receive_buffers`] allocates.
-pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(Group, &'static str, usize, &'static str)> {
+pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(CommOf, &'static str, usize, &'static str)> {
     let (padded, shard) = (largest_padded(units), units.iter().map(|u| u.layout.shard_len).max().unwrap_or(0));
     let Some(s_size) = units[0].comms.replica.map(|_| units[0].comms.shard.size()) else {
         let note = "the reduce-scatter's input from every rank, largest unit, kept";
         return s
             .receive_buffer_len(padded)
-            .map(|l| (Group::World, "all-to-all receive buffer", l, note))
+            .map(|l| (CommOf::World, "all-to-all receive buffer", l, note))
             .into_iter()
             .collect();
     };
@@ -385,12 +385,12 @@ pub fn receive_buffers(s: &Session, units: &[FsdpUnit]) -> Vec<(Group, &'static 
     let mut v = vec![];
     if s_size > 1 || groups > 1 {
         let note = "the reduce-scatter's input from my shard group, largest unit, kept";
-        v.push((Group::Shard, "all-to-all receive buffer", groups * padded, note));
+        v.push((CommOf::Shard, "all-to-all receive buffer", groups * padded, note));
     }
     if replicas > 1 {
         let len = shard.next_multiple_of(replicas); // padded to R equal parts
         let note = "my shard from every replica group, largest unit, kept";
-        v.push((Group::Replica, "replica all-reduce receive buffer", len, note));
+        v.push((CommOf::Replica, "replica all-reduce receive buffer", len, note));
     }
     v
 }
@@ -404,14 +404,14 @@ pub fn reserve_receive_buffers(s: &Session, units: &[FsdpUnit]) {
         return s.reserve_receive_buffer(largest_padded(units), on_stream);
     };
     let (w, size) = (s.world, comms.shard.size());
-    for (group, _, len, _) in receive_buffers(s, units) {
-        let parts = match group {
-            Group::Replica => replica.size(),
+    for (over, _, len, _) in receive_buffers(s, units) {
+        let parts = match over {
+            CommOf::Replica => replica.size(),
             _ => s.sum_groups.per_rank() * size,
         };
-        match (on_stream, group) {
+        match (on_stream, over) {
             (true, g) => w.reserve_stream_receive_buffer_in(g, len, parts),
-            (false, Group::Replica) => replica.reserve_receive_buffer(len, parts),
+            (false, CommOf::Replica) => replica.reserve_receive_buffer(len, parts),
             (false, _) => comms.shard.reserve_receive_buffer(len, parts),
         }
     }

@@ -90,9 +90,9 @@ impl<'w> FsdpUnit<'w> {
         }
         // Sharded over the world, or under HSDP over my shard group: the
         // same layout as full sharding over S ranks (a checkpoint is one).
-        let group = comms.shard;
-        let layout = ShardLayout::new(len, group.size());
-        let mine = model_ranges(table, &params, layout, group.rank());
+        let shard_comm = comms.shard;
+        let layout = ShardLayout::new(len, shard_comm.size());
+        let mine = model_ranges(table, &params, layout, shard_comm.rank());
         let padded = |mut v: Vec<f32>| {
             v.resize(layout.shard_len, 0.0); // padding: zeros that no parameter uses
             v
@@ -100,7 +100,7 @@ impl<'w> FsdpUnit<'w> {
         let master = padded(start.weights(&mine)?);
         let blocks = params.len() / PARAMS_PER_BLOCK;
         // nanoGPT's decay rule on my window of the unit's flat vector
-        let window = layout.shard(group.rank()).range();
+        let window = layout.shard(shard_comm.rank()).range();
         let no_decay = fsdp_gpt::params::no_decay(table, params.iter().copied().zip(ranges.iter().cloned()), window);
         let (grad, mut opt) =
             (vec![0.0; layout.shard_len], AdamW::new(s.adamw, layout.shard_len).with_no_decay(no_decay));
@@ -282,9 +282,9 @@ pub fn update_all(units: &mut [FsdpUnit], s: &Session, inv: f32) -> candle_core:
         Some(_) => {
             // Over the ranks that share the model: under HSDP my shard group
             // only, since every replica group holds the same shards.
-            let group = units[0].comms.shard;
+            let comm = units[0].comms.shard;
             let shards: Vec<&[f32]> = units.iter().map(|u| u.grad.as_slice()).collect();
-            s.clip_factor_of(exercise!(3, 2, global_norm(group, &shards))) // exercise 3.2
+            s.clip_factor_of(exercise!(3, 2, global_norm(comm, &shards))) // exercise 3.2
         }
     };
     for u in units.iter_mut() {

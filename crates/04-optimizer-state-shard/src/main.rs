@@ -183,7 +183,7 @@ fn main() -> ExitCode {
             s.end_step(step, &mut run, loss, || zero.fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
         }
         run.finish();
-        let sent = hsdp::Sent::now(world);
+        let sent = hsdp::TrainingTraffic::now(world);
         let full = zero.fsdp.gather_full(&s);
 
         let units = &zero.fsdp.units;

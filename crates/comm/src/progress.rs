@@ -1,12 +1,12 @@
 //! How a communication stream's thread waits for MPI: its poll policy
-//! ([`Policy`]) and the driver that polls a request to completion ([`Progress`]).
+//! ([`PollPolicy`]) and the driver that polls a request to completion ([`Progress`]).
 //!
 //! Open MPI moves a non-blocking collective only inside MPI calls made by
 //! some thread of the process (it has no progress thread of its own), so the
 //! stream's thread must keep calling `MPI_Test`. A blocking call would spin
 //! inside MPI and take half of the core the compute thread runs on; here the
 //! thread polls, then sleeps between polls — 10 µs, doubling up to 200 µs
-//! while the compute thread computes ([`Policy`]; `FSDP_POLL_US=FIRST,MOST`
+//! while the compute thread computes ([`PollPolicy`]; `FSDP_POLL_US=FIRST,MOST`
 //! to measure others), every 10 µs while it is blocked waiting
 //! ([`Progress`]). It asks for the real-time policy, so that it runs the
 //! moment it wakes instead of after the compute thread's time slice (without
@@ -22,7 +22,7 @@ use mpi::request::{Request, Scope};
 
 /// How the stream's thread waits for MPI while a collective is in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Policy {
+pub struct PollPolicy {
     /// The first sleep between two polls …
     pub first: Duration,
     /// … doubled after each poll, up to this.
@@ -36,16 +36,16 @@ pub struct Policy {
     pub eager: bool,
 }
 
-impl Default for Policy {
+impl Default for PollPolicy {
     fn default() -> Self {
         Self { first: Duration::from_micros(10), most: Duration::from_micros(200), eager: !oversubscribed() }
     }
 }
 
-impl Policy {
+impl PollPolicy {
     /// The default, or `FSDP_POLL_US=FIRST,MOST` (microseconds; for
     /// measuring other policies); an error line if that is set wrong (the
-    /// lessons check it before their first collective, [`Policy::check_env`]).
+    /// lessons check it before their first collective, [`PollPolicy::check_env`]).
     pub fn from_env() -> Result<Self, String> {
         let d = Self::default();
         let Ok(v) = std::env::var("FSDP_POLL_US") else { return Ok(d) };
@@ -110,7 +110,7 @@ pub struct Progress {
     pub(crate) waiting_for: AtomicUsize,
     /// The stream's thread, woken from its sleep when a wait begins.
     pub(crate) thread: OnceLock<Thread>,
-    pub(crate) policy: Policy,
+    pub(crate) policy: PollPolicy,
 }
 
 impl Progress {

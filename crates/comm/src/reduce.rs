@@ -321,7 +321,7 @@ pub struct MicroBatchSum {
     /// Buffers to reuse: a sum kept from step to step (lessons 01, 02) allocates nothing after the first.
     spare: Vec<Vec<f32>>,
     added: usize,
-    /// The ranges [`Adding::done`] has added, kept for the next micro-batch's.
+    /// The ranges [`MicroBatchSlot::done`] has added, kept for the next micro-batch's.
     done: Vec<Range<usize>>,
 }
 
@@ -376,11 +376,11 @@ impl MicroBatchSum {
     /// Starts adding the next of my micro-batches piece by piece (what
     /// DDP's buckets need: a range of the sum is final while the backward
     /// still computes the rest). Its gradient goes onto the zeroed
-    /// [`Adding::gradient`]; each range, once complete, is passed to
-    /// [`Adding::done`], which adds it into the tree at once — the additions
+    /// [`MicroBatchSlot::gradient`]; each range, once complete, is passed to
+    /// [`MicroBatchSlot::done`], which adds it into the tree at once — the additions
     /// [`MicroBatchSum::add`] makes for the whole vector, restricted to the
     /// range, so the bits are the same however the vector is cut.
-    pub fn begin(&mut self) -> Adding<'_> {
+    pub fn begin(&mut self) -> MicroBatchSlot<'_> {
         assert!(self.added < self.plan.micro_batches / self.plan.world, "more micro-batches than this rank holds");
         let mut buf = self.spare.pop().unwrap_or_default();
         buf.clear();
@@ -399,7 +399,7 @@ impl MicroBatchSum {
         let completes_group = merges == self.stack.len() && joined.len() == self.plan.group_len();
         let mut done = std::mem::take(&mut self.done);
         done.clear();
-        Adding { sum: self, buf, merges, completes_group, done }
+        MicroBatchSlot { sum: self, buf, merges, completes_group, done }
     }
 
     /// My group sums, taken out (what a reduce-scatter on the stream carries
@@ -427,7 +427,7 @@ impl MicroBatchSum {
 // ANCHOR_END: micro_batch_sum
 
 /// One micro-batch being added to a [`MicroBatchSum`], range by range.
-pub struct Adding<'a> {
+pub struct MicroBatchSlot<'a> {
     sum: &'a mut MicroBatchSum,
     /// The micro-batch's gradient: the tree's new leaf.
     buf: Vec<f32>,
@@ -439,7 +439,7 @@ pub struct Adding<'a> {
     done: Vec<Range<usize>>,
 }
 
-impl Adding<'_> {
+impl MicroBatchSlot<'_> {
     /// Elements of the vector.
     pub fn len(&self) -> usize {
         self.buf.len()
@@ -480,7 +480,7 @@ impl Adding<'_> {
     }
 
     /// The range `r` of my group sum `g` (0-based, in order), once final:
-    /// an earlier group's, or — after [`Adding::done`] on `r` — the group
+    /// an earlier group's, or — after [`MicroBatchSlot::done`] on `r` — the group
     /// this micro-batch completes.
     pub fn final_part(&self, g: usize, r: Range<usize>) -> &[f32] {
         let sums = &self.sum.sums;
@@ -498,7 +498,7 @@ impl Adding<'_> {
     pub fn finish(self) {
         let covered: usize = self.done.iter().map(|r| r.len()).sum();
         assert_eq!(covered, self.buf.len(), "every element of the sum must be added, once");
-        let Adding { sum, buf, done, .. } = self;
+        let MicroBatchSlot { sum, buf, done, .. } = self;
         sum.done = done;
         let i = sum.added % sum.plan.group_len();
         sum.stack.push((i..i + 1, buf));

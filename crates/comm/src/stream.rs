@@ -27,16 +27,16 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use crate::comm::{Comm, RankSum};
-use crate::progress::{Policy, Progress, enter_stream_thread};
+use crate::progress::{PollPolicy, Progress, enter_stream_thread};
 use crate::reduce::ReduceDtype;
 use crate::trace::Lane;
 use crate::traffic::{Collective, Times};
 
-/// Which of the stream's communicators a collective runs over: its
+/// Which communicator a collective runs over: on the stream, its
 /// duplicate of the world's, or under HSDP its own shard or replica group
 /// (split from that duplicate, as the compute thread's [`crate::Mesh`] is from the world).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Group {
+pub enum CommOf {
     World = 0,
     Shard = 1,
     Replica = 2,
@@ -86,8 +86,8 @@ pub enum Op {
 }
 
 impl Op {
-    fn run(&mut self, comms: &mut Vec<Comm>, group: Group) {
-        let g = group as usize;
+    fn run(&mut self, comms: &mut Vec<Comm>, over: CommOf) {
+        let g = over as usize;
         match self {
             Op::Empty => {}
             Op::Split(size) => {
@@ -95,9 +95,9 @@ impl Op {
                 comms.extend([mesh.shard, mesh.replica]);
             }
             Op::HsdpReduce { send, groups, mine, shard, part, rank_sum, mid } => {
-                comms[Group::Shard as usize].reduce_scatter_packed(send, *groups, &mut mine[..*shard], *rank_sum);
+                comms[CommOf::Shard as usize].reduce_scatter_packed(send, *groups, &mut mine[..*shard], *rank_sum);
                 *mid = Some(Instant::now());
-                comms[Group::Replica as usize].all_reduce_packed(mine, 1, part, *rank_sum)
+                comms[CommOf::Replica as usize].all_reduce_packed(mine, 1, part, *rank_sum)
             }
             Op::Reserve(len, parts) => comms[g].reserve_receive_buffer(*len, *parts),
             Op::GatherF32 { mine, all } => comms[g].all_gather_untimed(&mine[..], &mut all[..]),
@@ -155,7 +155,7 @@ enum Phase {
 struct SlotState {
     phase: Phase,
     op: Op,
-    group: Group,
+    over: CommOf,
     /// When the stream's thread ran it, and its CPU seconds.
     ran: (Instant, Instant, f64),
     panic: Option<Box<dyn Any + Send>>,
@@ -192,7 +192,7 @@ pub struct Stream {
     thread: Option<JoinHandle<()>>,
     /// Whether its thread got the real-time policy ([`first_in_line`]).
     pub realtime: bool,
-    /// Whether it polls eagerly while the compute thread waits ([`Policy::eager`]).
+    /// Whether it polls eagerly while the compute thread waits ([`PollPolicy::eager`]).
     pub eager: bool,
 }
 
@@ -200,14 +200,14 @@ impl Stream {
     /// Starts the thread, which duplicates the world's communicator (a
     /// collective over the world: every rank starts its stream together)
     /// while this thread waits for it.
-    pub(crate) fn start(policy: Policy) -> Self {
+    pub(crate) fn start(policy: PollPolicy) -> Self {
         let progress = Arc::new(Progress { waiting_for: AtomicUsize::new(0), thread: OnceLock::new(), policy });
         let slots = (0..SLOTS)
             .map(|_| Slot {
                 state: Mutex::new(SlotState {
                     phase: Phase::Free,
                     op: Op::Empty,
-                    group: Group::World,
+                    over: CommOf::World,
                     ran: (Instant::now(), Instant::now(), 0.0),
                     panic: None,
                 }),
@@ -237,15 +237,15 @@ impl Stream {
         Self { shared, thread: Some(thread), realtime, eager: policy.eager }
     }
 
-    /// Hands `op` over, to run over `group`; it runs after every collective handed over before it.
-    fn submit(&self, op: Op, group: Group) -> usize {
+    /// Hands `op` over, to run on communicator `over`; it runs after every collective handed over before it.
+    fn submit(&self, op: Op, over: CommOf) -> usize {
         let mut op = Some(op);
         let slot = self.shared.slots.iter().position(|s| {
             let mut st = lock(&s.state);
             if st.phase != Phase::Free {
                 return false;
             }
-            (st.phase, st.op, st.group, st.panic) = (Phase::Queued, op.take().expect("one op"), group, None);
+            (st.phase, st.op, st.over, st.panic) = (Phase::Queued, op.take().expect("one op"), over, None);
             true
         });
         let slot = slot.unwrap_or_else(|| panic!("more than {SLOTS} collectives in flight on the stream"));
@@ -280,18 +280,18 @@ impl Shared {
 impl Stream {
     /// Allocates the stream's receive buffer for the ordered reductions now
     /// (see [`Comm::reserve_receive_buffer`]), so that its thread never allocates later.
-    pub(crate) fn reserve_receive_buffer(&self, len: usize, parts: usize, group: Group) {
-        self.run_now(Op::Reserve(len, parts), group);
+    pub(crate) fn reserve_receive_buffer(&self, len: usize, parts: usize, over: CommOf) {
+        self.run_now(Op::Reserve(len, parts), over);
     }
 
     /// Splits the stream's own HSDP mesh (every rank's stream together).
     pub(crate) fn split(&self, shard: usize) {
-        self.run_now(Op::Split(shard), Group::World);
+        self.run_now(Op::Split(shard), CommOf::World);
     }
 
     /// Runs `op` and waits for it.
-    fn run_now(&self, op: Op, group: Group) {
-        let slot = self.submit(op, group);
+    fn run_now(&self, op: Op, over: CommOf) {
+        let slot = self.submit(op, over);
         let (_, _, panic) = self.shared.finish(slot);
         if let Some(p) = panic {
             std::panic::resume_unwind(p);
@@ -299,21 +299,21 @@ impl Stream {
     }
 
     /// Hands over an all-gather of `mine` into `all` (N · `mine.len()`)
-    /// over `group`, whose compute-thread twin `rec` records it.
-    pub(crate) fn all_gather<T: Wire>(&self, rec: &Comm, group: Group, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
+    /// on communicator `over`, whose compute-thread twin `rec` records it.
+    pub(crate) fn all_gather<T: Wire>(&self, rec: &Comm, over: CommOf, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
         assert_eq!(all.len(), mine.len() * rec.size(), "all_gather: output must hold N shards");
         let bytes = rec.all_gather_bytes(&mine);
-        self.pending(T::gather(mine, all), group, Collective::AllGather, bytes, T::gathered)
+        self.pending(T::gather(mine, all), over, Collective::AllGather, bytes, T::gathered)
     }
 
     /// Hands `op` over and returns its [`Pending`].
-    fn pending<T>(&self, op: Op, group: Group, kind: Collective, bytes: usize, take: fn(Op) -> T) -> Pending<T> {
+    fn pending<T>(&self, op: Op, over: CommOf, kind: Collective, bytes: usize, take: fn(Op) -> T) -> Pending<T> {
         let issued = Instant::now(); // before the stream's thread may start it
-        let slot = self.submit(op, group);
+        let slot = self.submit(op, over);
         Pending {
             shared: self.shared.clone(),
             slot,
-            group,
+            over,
             kind,
             bytes,
             then: None,
@@ -342,7 +342,7 @@ impl Stream {
         let first = shard_rec.reduce_scatter_bytes(groups, shard);
         let second = replica_rec.all_reduce_bytes(1, part.len());
         let op = Op::HsdpReduce { send, groups, mine, shard, part, rank_sum: shard_rec.rank_sum(), mid: None };
-        let mut p = self.pending(op, Group::Shard, Collective::ReduceScatter, first, |op| match op {
+        let mut p = self.pending(op, CommOf::Shard, Collective::ReduceScatter, first, |op| match op {
             Op::HsdpReduce { mut mine, shard, .. } => {
                 mine.truncate(shard); // the padding goes; the buffer stays (as the unit's shard)
                 mine
@@ -365,7 +365,7 @@ impl Stream {
     ) -> Pending<Vec<f32>> {
         let bytes = rec.reduce_scatter_bytes_in(dtype, groups, mine.len());
         let op = Op::ReduceScatter { send, groups, mine, rank_sum: rec.rank_sum(), dtype };
-        self.pending(op, Group::World, Collective::ReduceScatter, bytes, |op| match op {
+        self.pending(op, CommOf::World, Collective::ReduceScatter, bytes, |op| match op {
             // `send` is freed here, in the wait, on the compute thread.
             Op::ReduceScatter { mine, .. } => mine,
             _ => unreachable!("a reduce-scatter's slot holds its op"),
@@ -383,7 +383,7 @@ impl Stream {
     ) -> Pending<(Vec<f32>, Vec<f32>)> {
         let bytes = rec.all_reduce_bytes(groups, shard.len());
         let op = Op::AllReduce { buf, groups, shard, rank_sum: rec.rank_sum() };
-        self.pending(op, Group::World, Collective::AllReduce, bytes, |op| match op {
+        self.pending(op, CommOf::World, Collective::AllReduce, bytes, |op| match op {
             Op::AllReduce { buf, shard, .. } => (buf, shard),
             _ => unreachable!("an all-reduce's slot holds its op"),
         })
@@ -417,14 +417,14 @@ fn serve(comms: &mut Vec<Comm>, shared: &Shared) {
             }
         };
         let s = &shared.slots[slot];
-        let (mut op, group) = {
+        let (mut op, over) = {
             let mut st = lock(&s.state);
-            (std::mem::replace(&mut st.op, Op::Empty), st.group)
+            (std::mem::replace(&mut st.op, Op::Empty), st.over)
         };
         let (t0, cpu0) = (Instant::now(), thread_cpu_seconds());
         // A panic inside (an exercise's stub in the rank sum) goes back to
         // the compute thread, which raises it where it waits.
-        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op.run(comms, group))).err();
+        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op.run(comms, over))).err();
         let ran = (t0, Instant::now(), thread_cpu_seconds() - cpu0);
         let mut st = lock(&s.state);
         (st.op, st.ran, st.panic, st.phase) = (op, ran, panic, Phase::Done);
@@ -443,7 +443,7 @@ pub struct Pending<T> {
     shared: Arc<Shared>,
     slot: usize,
     /// The communicator it runs over (its compute-thread twin records it).
-    pub(crate) group: Group,
+    pub(crate) over: CommOf,
     kind: Collective,
     bytes: usize,
     /// A second collective the same op runs after the first (HSDP's

@@ -12,9 +12,9 @@ use crate::comm::{Comm, pack_groups};
 use crate::heartbeat;
 use crate::job::CommError;
 use crate::mesh::Mesh;
-use crate::progress::Policy;
+use crate::progress::PollPolicy;
 use crate::reduce::MicroBatchSum;
-use crate::stream::{Group, Pending, Stream, Wire};
+use crate::stream::{CommOf, Pending, Stream, Wire};
 use crate::trace::{Lane, Trace};
 
 /// This process's place in the MPI world, and the collectives over it
@@ -129,7 +129,7 @@ impl World {
         if self.threading != Threading::Multiple {
             return Err(CommError::NoThreads(self.threading));
         }
-        let policy = Policy::from_env().map_err(CommError::BadKnob)?;
+        let policy = PollPolicy::from_env().map_err(CommError::BadKnob)?;
         Ok(self.stream.get_or_init(|| {
             let stream = Stream::start(policy);
             if let Some(mesh) = self.mesh.get() {
@@ -153,20 +153,20 @@ impl World {
     /// reductions handed to it (the compute thread's own is
     /// [`Comm::reserve_receive_buffer`]).
     pub fn reserve_stream_receive_buffer(&self, len: usize, parts: usize) {
-        self.reserve_stream_receive_buffer_in(Group::World, len, parts);
+        self.reserve_stream_receive_buffer_in(CommOf::World, len, parts);
     }
 
-    /// The same, for the stream's communicator of `group` (HSDP's shard or replica group).
-    pub fn reserve_stream_receive_buffer_in(&self, group: Group, len: usize, parts: usize) {
-        self.started().reserve_receive_buffer(len, parts, group);
+    /// The same, for the stream's communicator `over` (HSDP's shard or replica group).
+    pub fn reserve_stream_receive_buffer_in(&self, over: CommOf, len: usize, parts: usize) {
+        self.started().reserve_receive_buffer(len, parts, over);
     }
 
-    /// The compute thread's communicator of `group`: the world's, or the mesh's.
-    pub(crate) fn comm_of(&self, group: Group) -> &Comm {
-        match (group, self.mesh.get()) {
-            (Group::World, _) => &self.comm,
-            (Group::Shard, Some(m)) => &m.shard,
-            (Group::Replica, Some(m)) => &m.replica,
+    /// The compute thread's communicator `over`: the world's, or the mesh's.
+    pub(crate) fn comm_of(&self, over: CommOf) -> &Comm {
+        match (over, self.mesh.get()) {
+            (CommOf::World, _) => &self.comm,
+            (CommOf::Shard, Some(m)) => &m.shard,
+            (CommOf::Replica, Some(m)) => &m.replica,
             (g, None) => panic!("{g:?}: the mesh is split first (World::mesh)"),
         }
     }
@@ -174,12 +174,12 @@ impl World {
     /// **all-gather on the stream**: `mine` (copied in by the caller, as
     /// FSDP2 copies into its all-gather input) into `all`, N shards long.
     pub fn all_gather_async<T: Wire>(&self, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
-        self.all_gather_async_in(Group::World, mine, all)
+        self.all_gather_async_in(CommOf::World, mine, all)
     }
 
-    /// The same over `group` (HSDP's shard group: `all` holds S shards).
-    pub fn all_gather_async_in<T: Wire>(&self, group: Group, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
-        self.started().all_gather(self.comm_of(group), group, mine, all)
+    /// The same on communicator `over` (HSDP's shard group: `all` holds S shards).
+    pub fn all_gather_async_in<T: Wire>(&self, over: CommOf, mine: Vec<T>, all: Vec<T>) -> Pending<Vec<T>> {
+        self.started().all_gather(self.comm_of(over), over, mine, all)
     }
 
     /// **HSDP's reduction on the stream** of my gradient sums (their
@@ -277,10 +277,10 @@ impl<T> Pending<T> {
     /// replica group, each with its share of the time (the exposed wait and
     /// the CPU split as their times are).
     pub fn wait(self, w: &World) -> T {
-        let rec = w.comm_of(self.group);
+        let rec = w.comm_of(self.over);
         match self.then {
             None => self.wait_both(rec, rec),
-            Some(_) => self.wait_both(rec, w.comm_of(Group::Replica)),
+            Some(_) => self.wait_both(rec, w.comm_of(CommOf::Replica)),
         }
     }
 }

@@ -77,19 +77,19 @@ pub fn forward_backward(
 /// forward is done, then the head's forward and backward (each block's
 /// backward ends with its `on_unit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mark {
-    Forward,
-    Head,
+pub enum Milestone {
+    ForwardDone,
+    HeadDone,
 }
 
-/// [`forward_backward`], telling `on_mark` when the forward and the head are done.
+/// [`forward_backward`], telling `on_milestone` when the forward and the head are done.
 pub fn forward_backward_marked(
     gpt: &Gpt,
     table: &ParamTable,
     params: &[Var],
     batch: &Batch,
     recompute: bool,
-    mut on_mark: impl FnMut(Mark),
+    mut on_milestone: impl FnMut(Milestone),
     mut on_unit: impl FnMut(Unit, Vec<(usize, Tensor)>) -> Result<()>,
 ) -> Result<f32> {
     let detached: Vec<Tensor> = params.iter().map(|v| v.as_detached_tensor()).collect(); // no graph
@@ -115,7 +115,7 @@ pub fn forward_backward_marked(
         };
     }
 
-    on_mark(Mark::Forward);
+    on_milestone(Milestone::ForwardDone);
 
     // The head and the loss, and their backward at once.
     let ln = table.unit_params(Unit::FinalNorm);
@@ -130,7 +130,7 @@ pub fn forward_backward_marked(
     let lnf = [get(&grads, &tracked[ln.start], "ln_f.weight")?, get(&grads, &tracked[ln.start + 1], "ln_f.bias")?];
     let mut g = get(&grads, xv.as_tensor(), "the head's input")?;
     drop((grads, loss, logits, xv));
-    on_mark(Mark::Head);
+    on_milestone(Milestone::HeadDone);
 
     // The blocks, last first: pull g back through each tape, hand its gradients on.
     for i in (0..n_layer).rev() {

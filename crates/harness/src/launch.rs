@@ -47,7 +47,7 @@ pub fn main(lesson: Lesson, body: impl FnOnce(&World, &Lesson) -> anyhow::Result
     // -x), so the ranks agree: if any has one set wrong, all stop here, and the
     // first such rank alone says why.
     let knobs = fsdp_gpt::kernels::check_matmul_env()
-        .and_then(|()| fsdp_comm::progress::Policy::check_env())
+        .and_then(|()| fsdp_comm::progress::PollPolicy::check_env())
         .and_then(|()| fsdp_comm::heartbeat::timeout_from_env().map(|_| ()));
     let bad = world.gather_control(&[u8::from(knobs.is_err())]);
     if let Some(first) = bad.iter().position(|&b| b == 1) {

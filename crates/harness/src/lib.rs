@@ -65,7 +65,7 @@ pub use fsdp_plot::{plot, table};
 pub use cli::{TrainArgs, parse_args};
 pub use launch::main;
 pub use lesson::Lesson;
-pub use memory_tally::{Held, MemoryTally, Moment};
+pub use memory_tally::{MemoryTally, Moment, Residency};
 pub use memory_timeline::MemoryTimeline;
 pub use report::Report;
 pub use run::Run;

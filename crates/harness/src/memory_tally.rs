@@ -11,7 +11,7 @@ use crate::table::{Table, mb, thousands};
 
 /// When a rank holds a category of memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Held {
+pub enum Residency {
     /// From step to step: model states, data, buffers kept for reuse.
     Kept,
     /// Only around the step's peak: activations, gathered units, gradients
@@ -29,7 +29,7 @@ pub struct TallyRow {
     pub elems: usize,
     pub bytes_per_elem: usize,
     pub note: String,
-    pub held: Held,
+    pub residency: Residency,
 }
 
 impl TallyRow {
@@ -51,7 +51,13 @@ impl Moment {
     }
 
     pub fn add(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
-        let row = TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into(), held: Held::AtPeak };
+        let row = TallyRow {
+            category: category.into(),
+            elems,
+            bytes_per_elem,
+            note: note.into(),
+            residency: Residency::AtPeak,
+        };
         self.rows.push(row);
         self
     }
@@ -79,16 +85,23 @@ impl MemoryTally {
 
     /// A category kept from step to step.
     pub fn add(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
-        self.push(category, elems, bytes_per_elem, note, Held::Kept)
+        self.push(category, elems, bytes_per_elem, note, Residency::Kept)
     }
 
     /// A diagnostic, shown apart from the technique's own total.
     pub fn apart(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str) -> &mut Self {
-        self.push(category, elems, bytes_per_elem, note, Held::Apart)
+        self.push(category, elems, bytes_per_elem, note, Residency::Apart)
     }
 
-    fn push(&mut self, category: &str, elems: usize, bytes_per_elem: usize, note: &str, held: Held) -> &mut Self {
-        self.rows.push(TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into(), held });
+    fn push(
+        &mut self,
+        category: &str,
+        elems: usize,
+        bytes_per_elem: usize,
+        note: &str,
+        residency: Residency,
+    ) -> &mut Self {
+        self.rows.push(TallyRow { category: category.into(), elems, bytes_per_elem, note: note.into(), residency });
         self
     }
 
@@ -103,21 +116,21 @@ impl MemoryTally {
         self
     }
 
-    fn sum(&self, pick: impl Fn(Held) -> bool) -> u64 {
-        self.rows.iter().filter(|r| pick(r.held)).map(TallyRow::bytes).sum()
+    fn sum(&self, pick: impl Fn(Residency) -> bool) -> u64 {
+        self.rows.iter().filter(|r| pick(r.residency)).map(TallyRow::bytes).sum()
     }
 
     /// The technique's peak: kept plus the busiest moment's (diagnostics excluded).
     pub fn total_bytes(&self) -> u64 {
-        self.sum(|h| h != Held::Apart)
+        self.sum(|h| h != Residency::Apart)
     }
 
     pub fn kept_bytes(&self) -> u64 {
-        self.sum(|h| h == Held::Kept)
+        self.sum(|h| h == Residency::Kept)
     }
 
     pub fn apart_bytes(&self) -> u64 {
-        self.sum(|h| h == Held::Apart)
+        self.sum(|h| h == Residency::Apart)
     }
 
     /// What the counting allocator should measure: the peak and the diagnostics.
@@ -131,17 +144,17 @@ impl MemoryTally {
         let total = |t: &mut Table, label: &str, bytes: u64| {
             t.row([label.to_string(), String::new(), thousands(bytes), mb(bytes), String::new()]);
         };
-        let rows = |t: &mut Table, held: Held| {
-            for r in self.rows.iter().filter(|r| r.held == held) {
+        let rows = |t: &mut Table, residency: Residency| {
+            for r in self.rows.iter().filter(|r| r.residency == residency) {
                 // Rows counted in bytes (mixed dtypes: a graph's tensors) have no element count.
                 let elems = if r.bytes_per_elem == 1 { "—".to_string() } else { thousands(r.elems as u64) };
                 t.row([r.category.clone(), elems, thousands(r.bytes()), mb(r.bytes()), r.note.clone()]);
             }
         };
-        rows(&mut t, Held::Kept);
+        rows(&mut t, Residency::Kept);
         t.separator();
         total(&mut t, "kept from step to step", self.kept_bytes());
-        if self.rows.iter().any(|r| r.held == Held::AtPeak) {
+        if self.rows.iter().any(|r| r.residency == Residency::AtPeak) {
             t.separator();
             t.row([
                 format!("at the peak: {}", self.peak_at),
@@ -150,14 +163,14 @@ impl MemoryTally {
                 String::new(),
                 String::new(),
             ]);
-            rows(&mut t, Held::AtPeak);
+            rows(&mut t, Residency::AtPeak);
         }
         t.separator();
         total(&mut t, "peak", self.total_bytes());
         if self.apart_bytes() > 0 {
             t.separator();
             t.row(["diagnostics, apart".to_string(), String::new(), String::new(), String::new(), String::new()]);
-            rows(&mut t, Held::Apart);
+            rows(&mut t, Residency::Apart);
             t.separator();
             total(&mut t, "peak with the diagnostics", self.expected_peak_bytes());
         }

@@ -14,7 +14,7 @@ use crate::table::{Table, mb_measured, thousands};
 
 /// One communicator's traffic (a name like "shard group (2 ranks)") and
 /// the bytes per step its theory gives, by kind.
-struct GroupTraffic {
+struct CommTraffic {
     name: String,
     traffic: fsdp_comm::Traffic,
     theory: Vec<(Collective, u64)>,
@@ -31,7 +31,7 @@ pub struct Report<'a, 'w> {
     charts: Vec<(String, Vec<Chart>)>,
     traffic: Option<fsdp_comm::Traffic>,
     /// Under HSDP: the traffic of each communicator, with its theory.
-    groups: Vec<GroupTraffic>,
+    comms: Vec<CommTraffic>,
 }
 
 impl<'a, 'w> Report<'a, 'w> {
@@ -49,7 +49,7 @@ impl<'a, 'w> Report<'a, 'w> {
             json: Default::default(),
             charts: vec![],
             traffic: None,
-            groups: vec![],
+            comms: vec![],
         }
     }
 
@@ -78,13 +78,13 @@ impl<'a, 'w> Report<'a, 'w> {
     /// One communicator's share of the traffic (HSDP's shard and replica
     /// groups), with the bytes per step its theory gives by kind: printed
     /// as a table of its own after the totals, and kept in report.json.
-    pub fn group_traffic(
+    pub fn comm_traffic(
         &mut self,
         name: String,
         traffic: fsdp_comm::Traffic,
         theory: Vec<(Collective, u64)>,
     ) -> &mut Self {
-        self.groups.push(GroupTraffic { name, traffic, theory });
+        self.comms.push(CommTraffic { name, traffic, theory });
         self
     }
 
@@ -197,13 +197,13 @@ impl<'a, 'w> Report<'a, 'w> {
             println!("measured time in collectives per step: {}", secs.join(", "));
             let ms = |x: f64| x / steps as f64 * 1e3;
             let (all, exposed) = (traffic.seconds(), traffic.exposed());
-            if !self.groups.is_empty() {
+            if !self.comms.is_empty() {
                 let mut head = vec!["communicator", "collective", "calls", "bytes sent", "theory"];
                 if across {
                     head.push("to other nodes");
                 }
                 let mut g = Table::new(head);
-                for GroupTraffic { name, traffic: t, theory } in &self.groups {
+                for CommTraffic { name, traffic: t, theory } in &self.comms {
                     for kind in Collective::ALL {
                         let st = t.get(kind);
                         if st.calls == 0 || kind == Collective::Control {
@@ -271,7 +271,7 @@ impl<'a, 'w> Report<'a, 'w> {
             "expected_bytes_per_step": self.expected.iter().map(|(k, b)| (k.name().to_string(), json!(b))).collect::<serde_json::Map<_, _>>(),
             "weights_digest": digest,
             "stream_allocations": w.stream().map(|_| crate::alloc::stream_allocations()),
-            "tally": self.tally.rows.iter().map(|r| json!({"category": r.category, "elements": r.elems, "bytes": r.bytes(), "note": r.note, "held": format!("{:?}", r.held).to_lowercase()})).collect::<Vec<_>>(),
+            "tally": self.tally.rows.iter().map(|r| json!({"category": r.category, "elements": r.elems, "bytes": r.bytes(), "note": r.note, "held": format!("{:?}", r.residency).to_lowercase()})).collect::<Vec<_>>(),
             "tally_peak_at": self.tally.peak_at,
             "tally_total_bytes": self.tally.total_bytes(),
             "tally_kept_bytes": self.tally.kept_bytes(),
@@ -291,11 +291,11 @@ impl<'a, 'w> Report<'a, 'w> {
         });
         // The transport's setting between machines that overlap depends on (fsdp_comm::world::TCP_EAGER_LIMIT).
         j["tcp_eager_limit_bytes"] = json!(fsdp_comm::world::tcp_eager_limit());
-        if !self.groups.is_empty() {
+        if !self.comms.is_empty() {
             let by_group: serde_json::Map<_, _> = self
-                .groups
+                .comms
                 .iter()
-                .map(|GroupTraffic { name, traffic: t, theory }| {
+                .map(|CommTraffic { name, traffic: t, theory }| {
                     let kinds: serde_json::Map<_, _> = Collective::ALL
                         .iter()
                         .map(|k| {
