@@ -147,7 +147,7 @@ if [ "$timings" != 0 ]; then
             IFS='|' read -r label preset steps cmd <<< "$run"
             for p in fp32 bf16; do
                 # shellcheck disable=SC2086
-                t=$(env $env mpirun -q --oversubscribe -n 2 -x FSDP_BF16 -x FSDP_MATMUL target/release/$cmd --preset "$preset" \
+                t=$(env $env mpirun -q --oversubscribe -n 2 ${env:+-x "${env%%=*}"} target/release/$cmd --preset "$preset" \
                     --precision $p --steps "$steps" --log-every 100 --out out/book/04-cost | grep -oE "median step [0-9.]+ ms")
                 echo "    $label, $preset, $p: $t"
             done

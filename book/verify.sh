@@ -17,6 +17,10 @@
 #     tests/e2e/exercises.rs and scripts/check-exercises.sh.)
 #  0. Every {{#include}} and its anchor, every image, every internal link
 #     resolves (tests/e2e/book.rs, also part of `just test`).
+#  3. Every figure the prose quotes from a listing is still in it: a passage
+#     marked `<!-- figures: generated/X; derived: … -->` may quote only
+#     numbers its listings hold, so a regenerated listing cannot leave the
+#     prose behind (book/check-figures.py, which checks itself first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RAYON_NUM_THREADS=1 FSDP_PROGRESS=plain
@@ -26,8 +30,9 @@ trap 'rm -rf "$scratch"' EXIT
 fail=0
 
 
-parts=${BOOK_VERIFY_PARTS:-links listings commands}   # run one part alone while fixing it
+parts=${BOOK_VERIFY_PARTS:-links listings commands prose}   # run one part alone while fixing it
 listings=0
+quoted=0
 commands=0
 runs=0
 generated=0
@@ -174,10 +179,30 @@ while IFS= read -r line; do
 done < <(awk '/^```console/{c=1; next} /^```/{c=0} c && /^\$ (just|cargo) /' book/src/*.md)
 fi
 
+if [[ " $parts " == *" prose "* ]]; then
+echo "== 3. figures the prose quotes, against the listings they come from"
+# The committed listings, the ones the book shows (part 1 holds them to a
+# fresh run). The checker first runs on a made-up book of its own: a figure
+# its listing holds must pass, one it lost must fail.
+if python3 book/check-figures.py --self-test > "$scratch/figures-self-test.log" 2>&1; then
+    echo "✓ book/check-figures.py --self-test ($(grep -c '^✓' "$scratch/figures-self-test.log") cases)"
+else
+    echo "✗ book/check-figures.py --self-test:"; grep -v '^✓' "$scratch/figures-self-test.log"; fail=1
+fi
+if python3 book/check-figures.py > "$scratch/figures.log" 2>&1; then
+    echo "✓ $(tail -1 "$scratch/figures.log") (book/check-figures.py)"
+else
+    echo "✗ figures the prose quotes that its listings do not hold (book/check-figures.py):"; cat "$scratch/figures.log"; fail=1
+fi
+quoted=$(sed -n 's/^\([0-9]*\) quoted figures checked.*/\1/p' "$scratch/figures.log")
+quoted=${quoted:-0}
+fi
+
 echo
-echo "book-verify: $listings listings and figures compared, $commands commands checked ($runs run here, the rest above)"
+echo "book-verify: $listings listings and figures compared, $commands commands checked ($runs run here, the rest above), $quoted figures in the prose checked against their listings"
 # A check that found nothing to check has checked nothing.
 [[ " $parts " != *" listings "* ]] || [ "$listings" -gt 0 ] || { echo "✗ no listings found under book/src/generated"; fail=1; }
 [[ " $parts " != *" commands "* ]] || [ "$commands" -gt 0 ] || { echo "✗ no commands found in the book's console blocks"; fail=1; }
+[[ " $parts " != *" prose "* ]] || [ "$quoted" -gt 0 ] || { echo "✗ no figure in the prose was checked against a listing"; fail=1; }
 [ $fail -eq 0 ] || { echo "book-verify: FAILED"; exit 1; }
 echo "book-verify: the book matches what the code does"
