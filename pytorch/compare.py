@@ -229,9 +229,15 @@ def main():
     # … and up to 20 steps of training: lesson 01 against DDP; in bf16, ZeRO-3 against FSDP2 (every preset).
     first = next(r for r in results if r["ranks"] == n0 and r["torch"] == "DDP")
     train_diff, k = first["max_loss_diff_20"], min(20, steps)
+    # ZeRO-3 against FSDP2's MixedPrecisionPolicy rounds as the lessons do (a bf16 copy of each module's
+    # weights); ZeRO-1 against autocast does not (autocast casts the fp32 weights at each matmul and picks
+    # other ops' precision from its op lists), so its first steps are held to a wider bound.
     bf16_pairs = [r for r in results if r["precision"] == "bf16" and "activation checkpointing" not in r["torch"]]
-    first5 = max(r["max_loss_diff_5"] for r in bf16_pairs)
+    worst5 = lambda rs: max(rs, key=lambda r: r["max_loss_diff_5"])  # noqa: E731
+    policy, autocast = worst5([r for r in bf16_pairs if "autocast" not in r["torch"]]), worst5(
+        [r for r in bf16_pairs if "autocast" in r["torch"]])
     last10 = max(r["last10_mean_diff"] for r in bf16_pairs)
+    at = lambda r: f"{r['preset']}, {r['ranks']} rank(s)"  # noqa: E731
     checks = [
         (f"step 1's mean gradient, every fp32 PyTorch run ({len(f32_norms)}) against the project's model in one process: "
          f"largest relative difference of its norm {worst_norm[0]:.1e} ({worst_norm[2]} at {worst_norm[1]} rank(s); bound 1e-4)",
@@ -244,10 +250,13 @@ def main():
          f"PyTorch {pt['mean_loss']:.7f}, |difference| {eval_diff:.1e} (bound 1e-5)", eval_diff < 1e-5),
         (f"{k} steps from the same start on the same batches, {n0} rank(s): largest |loss difference| lesson 01 vs DDP "
          f"{train_diff:.1e} (bound 1e-4)", train_diff < 1e-4),
-        (f"in bf16, every world size and preset, ZeRO-1 and ZeRO-3 against PyTorch's: largest |loss difference| over the "
-         f"first 5 steps {first5:.1e} (bound 5e-3, a third of a bf16 ulp near a loss of 3: the two round in other places, "
-         f"and their trajectories part later, as rounding differences compound); largest difference of the last 10 "
-         f"steps' mean loss {last10:.1e} (bound 5e-2: they learn alike)", first5 < 5e-3 and last10 < 5e-2),
+        (f"in bf16, every world size and preset, largest |loss difference| over the first 5 steps: ZeRO-3 against "
+         f"FSDP2's MixedPrecisionPolicy {policy['max_loss_diff_5']:.1e} ({at(policy)}; bound 5e-3, a third of a bf16 ulp "
+         f"near a loss of 3: both round a bf16 copy of the weights, in other places); ZeRO-1 against DDP under autocast "
+         f"{autocast['max_loss_diff_5']:.1e} ({at(autocast)}; bound 1.6e-2, one bf16 ulp near a loss of 3: autocast rounds "
+         f"the fp32 weights at each matmul instead); largest difference of the last 10 steps' mean loss {last10:.1e} "
+         f"(bound 5e-2: they learn alike, as rounding differences compound)",
+         policy["max_loss_diff_5"] < 5e-3 and autocast["max_loss_diff_5"] < 1.6e-2 and last10 < 5e-2),
     ]
     md = render(machine, torch_version, a, results, checks)
     with open(f"{a.out}/compare.md", "w") as f:

@@ -150,6 +150,9 @@ fn run(a: &Args) -> anyhow::Result<()> {
         "single-thread f32 matmul peak of this machine (the model's own kernel, 1024³, best of 5): {:.1} GFLOP/s\n",
         peak / 1e9
     );
+    // The bf16 rows are measured against the kernel's bf16 rate on its route here (VDPBF16PS, or
+    // the emulation on f32 tiles), and that rate against the instruction's own peak.
+    let mut peak_bf16 = matmul_peak_bf16()?;
     let bin = std::env::current_exe()?.parent().map(Path::to_path_buf).unwrap_or_default();
     let mut rows = vec![];
     let started = Instant::now();
@@ -206,21 +209,26 @@ fn run(a: &Args) -> anyhow::Result<()> {
                 // This CPU's clock moves: the rate is measured again after every run and the
                 // highest is the one the table divides by (the lowest, most cautious, percentages).
                 peak = peak.max(matmul_peak()?);
+                peak_bf16 = peak_bf16.max(matmul_peak_bf16()?);
             }
         }
     }
-    let md = table(&rows, peak);
+    let bf16 = Bf16Rate { route: bf16_route_in_use().name(), flops: peak_bf16, instruction: instruction_peaks() };
+    let md = table(&rows, peak, &bf16);
     std::fs::write(a.out.join("bench.md"), &md)?;
     println!("\n{md}");
-    plots(&rows, &a.out, &machine(&cpu_model(), peak))?;
     let j = json!({
         "cpu": cpu_model(),
         "matmul_peak_flops": peak,
+        "matmul_peak_bf16_flops": peak_bf16,
+        "bf16_route": bf16.route,
+        "instruction_peaks": bf16.instruction,
         "runs": rows.iter().map(|r| json!({"lesson": r.lesson, "preset": r.preset, "ranks": r.ranks, "ms_per_step": r.ms_per_step,
             "tokens_per_second": r.tokens_per_s, "comm_ms_per_step": r.comm_ms, "peak_heap_bytes": r.peak_heap, "tally_bytes": r.tally,
             "peak_rss_bytes": r.rss, "flops_per_step": r.flops_per_step})).collect::<Vec<_>>(),
     });
-    std::fs::write(a.out.join("bench.json"), serde_json::to_string_pretty(&j)?)?;
+    std::fs::write(a.out.join("bench.json"), serde_json::to_string_pretty(&j)?)?; // before the plots: the runs are kept
+    plots(&rows, &a.out, &machine(&cpu_model(), peak))?;
     println!(
         "wrote {0}/bench.md, {0}/bench.json, {0}/tokens_per_second.svg, {0}/memory_per_rank.svg in {1:.0} s",
         a.out.display(),
@@ -246,6 +254,19 @@ fn matmul_peak() -> anyhow::Result<f64> {
         best = best.max(2.0 * (n * n * n) as f64 / s);
     }
     Ok(best)
+}
+
+/// The same for bf16 operands, through the route the lessons' bf16 matmul takes here.
+fn matmul_peak_bf16() -> anyhow::Result<f64> {
+    rate(Route::Bf16(bf16_route_in_use()), 1024, 1024, 1024, false, false)
+}
+
+/// What the bf16 rows are measured against: the kernel's bf16 rate at 1024³ on its route, and
+/// the instructions' own peaks as [`instruction_peaks`] measured them.
+struct Bf16Rate {
+    route: String,
+    flops: f64,
+    instruction: Value,
 }
 
 /// The products the lessons' linear layers make at a preset's micro-batch
@@ -645,14 +666,27 @@ fn row_from_json(r: &Value) -> Option<Row> {
     })
 }
 
-fn table(rows: &[Row], peak: f64) -> String {
+fn table(rows: &[Row], peak: f64, bf16: &Bf16Rate) -> String {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The native route's own instruction, where it runs; the emulation runs f32 FMAs.
+    let instruction = match bf16.route.contains("vdpbf16ps") {
+        true => bf16.instruction["vdpbf16ps zmm"].as_f64().map(|p| (p, "VDPBF16PS")),
+        false => None,
+    };
+    let against = match instruction {
+        Some((p, name)) => {
+            format!(", {:.0}% of {name}'s own peak measured here ({:.1} GFLOP/s)", 100.0 * bf16.flops / p, p / 1e9)
+        }
+        None => String::new(),
+    };
     let mut s = format!(
-        "CPU: {}. This machine's single-thread f32 matmul rate (the model's own kernel, 1024³, best of 5, measured before the first run and after each; the highest): **{:.1} GFLOP/s**; one compute thread per rank; {cores} cores. \
-         \"% of matmul peak\": the model FLOPs of a step (6 per parameter per token + attention) per second, per busy core, against that rate. \
+        "CPU: {}. This machine's single-thread f32 matmul rate (the model's own kernel, 1024³, best of 5, measured before the first run and after each; the highest): **{:.1} GFLOP/s**; its bf16 rate the same way (route: {}): **{:.1} GFLOP/s**{against}; one compute thread per rank; {cores} cores. \
+         \"% of matmul peak\": the model FLOPs of a step (6 per parameter per token + attention) per second, per busy core, against that rate (the bf16 rate for the bf16 rows). \
          \"recompute\": activation checkpointing, block by block (lesson 03 and ZeRO-3 always recompute); compare rows of one policy.\n\n",
         cpu_model(),
-        peak / 1e9
+        peak / 1e9,
+        bf16.route,
+        bf16.flops / 1e9
     );
     s.push_str(
         "| lesson | preset | ranks | ms / step | tokens / s | comm ms / step | compute ms / step | bytes sent / step / rank (theory) | peak heap / rank (tally) | measured / tally | peak RSS / rank | % of matmul peak |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
@@ -683,7 +717,7 @@ fn table(rows: &[Row], peak: f64) -> String {
             r.tally as f64 / 1e6,
             r.peak_heap as f64 / r.tally.max(1) as f64,
             r.rss as f64 / (1 << 20) as f64,
-            100.0 * achieved / peak
+            100.0 * achieved / if r.lesson.contains("bf16") { bf16.flops } else { peak }
         ));
     }
     s
@@ -716,8 +750,11 @@ fn machine(cpu: &str, matmul_peak: f64) -> String {
 
 /// The two figures; `x_label` names the machine (figures from two machines are not comparable).
 fn plots(rows: &[Row], out: &Path, x_label: &str) -> anyhow::Result<()> {
-    let colors =
-        ["#1f77b4", "#1f77b4", "#ff7f0e", "#ff7f0e", "#2ca02c", "#d62728", "#d62728", "#9467bd", "#9467bd", "#8c564b"];
+    // One colour per scheme and precision, one per entry of LESSONS (the array's length is checked).
+    let colors: [&str; LESSONS.len()] = [
+        "#1f77b4", "#1f77b4", "#ff7f0e", "#ff7f0e", "#2ca02c", "#d62728", "#d62728", "#9467bd", "#9467bd", "#8c564b",
+        "#e377c2", "#17becf",
+    ];
     let presets: Vec<String> = rows.iter().map(|r| r.preset.clone()).fold(vec![], |mut v, p| {
         if !v.contains(&p) {
             v.push(p);
@@ -739,7 +776,7 @@ fn plots(rows: &[Row], out: &Path, x_label: &str) -> anyhow::Result<()> {
                     .filter(|r| r.lesson == *lesson && r.preset == preset)
                     .map(|r| (r.ranks as f64, pick(r)))
                     .collect(),
-                dashed: lesson.ends_with("recompute"), // the same colour per scheme; dashed: recomputed
+                dashed: lesson.contains("recompute"), // the same colour per scheme; dashed: recomputed
             })
             .collect(),
         y_from_zero: true, // amounts: a bar from zero, not from the smallest
