@@ -306,10 +306,14 @@ echo "left=$(pgrep -c -f -- "--out $OUT" || true)"
 
 /// What lesson 03 counts as sent to the other node (each collective's
 /// payload to ranks there) is what node 1's link carried: the kernel's
-/// counter, read around runs of 2 and 6 steps (so start-up and the final
+/// counter, read around runs of 2 and 10 steps (so start-up and the final
 /// gather cancel), per step — full sharding and HSDP, 2 nodes × 2 ranks.
-/// Measured here: the link carries 0.3–0.4 % more (TCP/IP and MPI headers,
-/// acknowledgements); the test allows 2 %.
+/// Measured: the link carries 0.2–0.4 % more (TCP/IP and MPI headers,
+/// acknowledgements); the test allows 2 % more and 1 % less, since what
+/// does not cancel between the two runs (acknowledgements, which TCP
+/// coalesces by timing; the heartbeat) varies with the machine's load: with
+/// a build running beside it, the 2-and-6-step difference once measured
+/// 0.07 % less than counted.
 #[test]
 fn the_bytes_counted_between_nodes_are_the_bytes_on_the_link() {
     if !namespaces_or_skip("cluster::the_bytes_counted_between_nodes_are_the_bytes_on_the_link") {
@@ -320,7 +324,7 @@ fn the_bytes_counted_between_nodes_are_the_bytes_on_the_link() {
 tx() { cat /sys/class/net/eth0/statistics/tx_bytes; }
 for cfg in full hsdp; do
     flags=""; [ $cfg = hsdp ] && flags="--hsdp 2"
-    for steps in 2 6; do
+    for steps in 2 10; do
         t0=$(tx)
         mpirun -q --hostfile $FSDP_CLUSTER/hosts -n 4 -x RAYON_NUM_THREADS=1 $BIN/step03-layerwise-shard \
             --steps $steps --no-plot $flags --out $OUT/$cfg-$steps > /dev/null || exit 1
@@ -329,7 +333,7 @@ for cfg in full hsdp; do
 done
 "#;
     for cfg in ["full", "hsdp"] {
-        for steps in [2, 6] {
+        for steps in [2, 10] {
             std::fs::create_dir_all(out.join(format!("{cfg}-{steps}"))).unwrap();
         }
     }
@@ -340,15 +344,15 @@ done
         line.split_whitespace().nth(2).unwrap().parse().unwrap()
     };
     for cfg in ["full", "hsdp"] {
-        let link = (tx(cfg, 6) - tx(cfg, 2)) / 4.0;
-        let r = report(&out.join(format!("{cfg}-6")));
+        let link = (tx(cfg, 10) - tx(cfg, 2)) / 8.0;
+        let r = report(&out.join(format!("{cfg}-10")));
         // Node 1's two ranks each send what rank 0 does (the same shards, the same collectives).
         let remote: u64 = r["traffic"].as_object().unwrap().values().map(|k| k["bytes_remote"].as_u64().unwrap()).sum();
-        let counted = 2.0 * remote as f64 / 6.0;
+        let counted = 2.0 * remote as f64 / 10.0;
         let by_rank = r["bytes_remote_by_rank"].as_array().unwrap();
         assert!(by_rank.iter().all(|b| b == &by_rank[0]), "every rank sends the same: {by_rank:?}");
         let ratio = link / counted;
         eprintln!("{cfg}: node 1 → node 2 per step: counted {counted:.0} B, on the link {link:.0} B ({ratio:.4})");
-        assert!((1.0..1.02).contains(&ratio), "{cfg}: link {link:.0} B per step against {counted:.0} B counted");
+        assert!((0.99..1.02).contains(&ratio), "{cfg}: link {link:.0} B per step against {counted:.0} B counted");
     }
 }
