@@ -64,7 +64,9 @@ id=${FSDP_CLUSTER_ID:-$$}
 # the rights over the network and mount namespaces it owns); the script runs again in them.
 rootless=${FSDP_CLUSTER_ROOTLESS:-}
 if [ "$(id -u)" -ne 0 ] && [ -z "$rootless" ]; then
-    if ! unshare --user --map-root-user --net --mount true 2>/dev/null; then
+    # The probe does what the script will: a private /run and a veth pair, in namespaces of our own.
+    probe='mount -t tmpfs fsdp-probe /run && PATH="$PATH:/usr/sbin:/sbin" ip link add fsdp-pa type veth peer name fsdp-pb'
+    if ! unshare --user --map-root-user --net --mount --propagation private sh -c "$probe" 2>/dev/null; then
         echo "error: the simulated cluster needs root or unprivileged user namespaces, which this kernel does not allow (sysctl kernel.unprivileged_userns_clone=1, or user.max_user_namespaces above 0): run it as root, e.g. with sudo" >&2
         exit 77
     fi

@@ -22,12 +22,18 @@ echo "== the step: $(idea "$prev") → $(idea "$cur")"
 diff -U2 --label "lesson ${prev#crates/}" --label "lesson ${cur#crates/}" "$a" "$b" || true
 echo
 echo "== what lesson $nn has beside its idea file (main.rs, lib.rs and exercises.rs aside)"
+# A file's first sentence, from its `//!` overview (rustdoc's link brackets dropped), cut at 100 characters.
+summary() {
+    awk '/^\/\/!/ { sub(/^\/\/! ?/, ""); if ($0 == "") exit; t = t (t == "" ? "" : " ") $0; next } t != "" { exit }
+         END { gsub(/[][]/, "", t); gsub(/^# /, "", t); i = index(t, ". "); if (i) t = substr(t, 1, i);
+               if (length(t) > 100) t = substr(t, 1, 99) "…"; print t }' "$1"
+}
 besides=0
 for f in $(cd "$cur" && find src -name '*.rs' | sort); do
     case "$f" in src/main.rs|src/lib.rs|src/exercises.rs) continue ;; esac
     [ "$cur/$f" = "$(idea "$cur")" ] && continue
     also=""; [ -e "$prev/$f" ] && also=" (lesson ${prev#crates/} has one too)"
-    printf '  %-48s %4d lines  %s%s\n' "$cur/$f" "$(wc -l < "$cur/$f")" "$(grep -m1 '^//!' "$cur/$f" | sed 's|^//! *||')" "$also"
+    printf '  %-58s %4d lines  %s%s\n' "$cur/$f" "$(wc -l < "$cur/$f")" "$(summary "$cur/$f")" "$also"
     besides=$((besides + 1))
 done
 [ "$besides" -gt 0 ] || echo "  none: its idea file, main.rs, lib.rs and exercises.rs are all it has"

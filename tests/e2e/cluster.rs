@@ -60,7 +60,7 @@ grep -qs step-000004 $CK/latest || {{ echo "no checkpoint of step 4"; kill -9 $p
 t0=$(date +%s.%N)
 {fault}
 rc=0; wait $pid || rc=$?
-echo "ended rc=$rc after=$(echo "$(date +%s.%N) - $t0" | bc)"
+echo "ended rc=$rc after=$(awk -v a="$(date +%s.%N)" -v b="$t0" 'BEGIN {{ printf "%.3f", a - b }}')"
 {wait}
 echo "left=$(pgrep -c -f -- "--out $OUT" || true)"
 "#
@@ -278,7 +278,7 @@ sleep 4  # a few steps in
 t0=$(date +%s.%N)
 kill -TERM $pid
 rc=0; wait $pid || rc=$?
-echo "ended rc=$rc after=$(echo "$(date +%s.%N) - $t0" | bc)"
+echo "ended rc=$rc after=$(awk -v a="$(date +%s.%N)" -v b="$t0" 'BEGIN { printf "%.3f", a - b }')"
 echo "left=$(pgrep -c -f -- "--out $OUT" || true)"
 "#;
     let o = on_cluster("st", 1, script, &ck, &out);

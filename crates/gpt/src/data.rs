@@ -317,9 +317,11 @@ mod tests {
         let c = Corpus::from_text("s", "abc").unwrap();
         let e = Sampler::new(&c, 1, 8, 1, 0).unwrap_err().to_string();
         assert!(e.contains("fewer than the 10"), "{e}");
-        let p = std::env::temp_dir().join("fsdp-not-utf8.txt");
+        // A name of this process's own: another user's file of a fixed name may sit in /tmp.
+        let p = std::env::temp_dir().join(format!("fsdp-not-utf8-{}.txt", std::process::id()));
         std::fs::write(&p, [0x61, 0xff, 0x62]).unwrap();
         let e = Corpus::from_file(p.to_str().unwrap()).unwrap_err().to_string();
+        std::fs::remove_file(&p).unwrap();
         assert!(e.contains("not UTF-8 (invalid byte at offset 1)"), "{e}");
     }
 }

@@ -16,8 +16,8 @@
 //! instruction of an f32 FMA.
 //!
 //! **Where it is the chain without DAZ and FTZ.** Say every nonzero value of
-//! a row of `a` and of a column of `b` has an exponent of at least e_a and
-//! e_b, with e_a + e_b ≥ −112. Each product is then a multiple of 2^−126
+//! a row of `a` and of a column of `b` is normal, with an exponent of at
+//! least e_a and e_b, with e_a + e_b ≥ −112. Each product is then a multiple of 2^−126
 //! (the bf16 significand has 8 bits), so is every sum of them, and so is
 //! every partial sum as rounded (a multiple of 2^−126 below 2^−103 needs no
 //! rounding; above, a rounded f32 is a multiple of its own ulp, at least
