@@ -18,10 +18,8 @@ use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
 use step03_layerwise_shard::mixed_precision::MixedPrecision;
-use step03_layerwise_shard::prefetch::{Prefetch, reduce_on_stream};
-use step03_layerwise_shard::tally::{
-    bytes_per_step, prefetch_within_budget, reserve_receive_buffers, tally, units_json, unsharded_peak_table,
-};
+use step03_layerwise_shard::prefetch::{Prefetch, prefetch_within_budget, reduce_on_stream};
+use step03_layerwise_shard::tally::{bytes_per_step, reserve_receive_buffers, tally, units_json, unsharded_peak_table};
 use step03_layerwise_shard::units::build_units;
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp, schedule};
 use step03_layerwise_shard::{describe_reduce, reduce_flag};

@@ -28,7 +28,7 @@ pub fn gathered_ahead(plan: &[Phase], at: usize, depth: usize) -> impl Iterator<
 // ANCHOR_END: gathered_ahead
 
 /// How far `--prefetch` reaches unless `--prefetch-depth` says: the units
-/// of the next two entries, memory allowing ([`crate::tally::prefetch_within_budget`]).
+/// of the next two entries, memory allowing ([`prefetch_within_budget`]).
 /// One ahead (FSDP2's implicit prefetch) leaves the wire idle wherever an
 /// entry's compute outlasts the next gather with nothing else to send: while
 /// the last block's forward runs (only the root's small gather is next), and
@@ -324,4 +324,25 @@ mod tests {
         assert_eq!(p.issue[7], [9]);
         assert!(p.issue[8].is_empty() && p.issue[10].is_empty());
     }
+}
+
+/// How far `--prefetch` reaches, and the [`HeadGrad`] at that reach
+/// (`head`: `--head-grad`, else [`crate::tally::lower_peak`]'s). A depth given with
+/// `--prefetch-depth` is kept; the default, two entries ahead, is lowered to
+/// one where the tally's peak with two would pass `--mem-budget` — memory
+/// allowing, as FSDP1's `limit_all_gathers` and DeepSpeed's
+/// `stage3_max_live_parameters` bound the units in flight. (If one does not
+/// fit either, the run stops at the budget as any run does.)
+pub fn prefetch_within_budget(
+    s: &Session,
+    units: &[FsdpUnit],
+    asked: PrefetchAsked,
+    head: Option<HeadGrad>,
+) -> (usize, HeadGrad) {
+    let at = |depth| (depth, head.unwrap_or_else(|| crate::tally::lower_peak(s, units, depth)));
+    let wanted = at(asked.depth);
+    let over = |(depth, head)| {
+        s.args.mem_budget.is_some_and(|b| crate::tally::tally(s, units, depth, head).expected_peak_bytes() > b)
+    };
+    if !asked.given && asked.depth > 1 && over(wanted) { at(1) } else { wanted }
 }

@@ -10,7 +10,7 @@ use fsdp_harness::{MemoryTally, Moment, Session};
 
 use crate::head_grad::HeadGrad;
 use crate::layerwise_shard::schedule;
-use crate::prefetch::{PrefetchAsked, gathered_ahead};
+use crate::prefetch::gathered_ahead;
 use crate::units::FsdpUnit;
 
 // ANCHOR: tally
@@ -287,28 +287,6 @@ pub fn lower_peak(s: &Session, units: &[FsdpUnit], prefetch: usize) -> HeadGrad 
     if peak(HeadGrad::Recompute) < peak(HeadGrad::Keep) { HeadGrad::Recompute } else { HeadGrad::Keep }
 }
 // ANCHOR_END: head_grad_choice
-
-// ANCHOR: prefetch_within_budget
-/// How far `--prefetch` reaches, and the [`HeadGrad`] at that reach
-/// (`head`: `--head-grad`, else [`lower_peak`]'s). A depth given with
-/// `--prefetch-depth` is kept; the default, two entries ahead, is lowered to
-/// one where the tally's peak with two would pass `--mem-budget` — memory
-/// allowing, as FSDP1's `limit_all_gathers` and DeepSpeed's
-/// `stage3_max_live_parameters` bound the units in flight. (If one does not
-/// fit either, the run stops at the budget as any run does.)
-pub fn prefetch_within_budget(
-    s: &Session,
-    units: &[FsdpUnit],
-    asked: PrefetchAsked,
-    head: Option<HeadGrad>,
-) -> (usize, HeadGrad) {
-    let at = |depth| (depth, head.unwrap_or_else(|| lower_peak(s, units, depth)));
-    let wanted = at(asked.depth);
-    let over =
-        |(depth, head)| s.args.mem_budget.is_some_and(|b| tally(s, units, depth, head).expected_peak_bytes() > b);
-    if !asked.given && asked.depth > 1 && over(wanted) { at(1) } else { wanted }
-}
-// ANCHOR_END: prefetch_within_budget
 
 /// The unsharded peak: the largest unit (× 1 + the most gathered ahead at
 /// once under `--prefetch`) against lesson 02's whole model.

@@ -26,8 +26,9 @@ use fsdp_gpt::blockwise;
 use fsdp_harness::{MemoryTimeline, Session, Start, exercise};
 use step03_layerwise_shard::hsdp::UnitComms;
 use step03_layerwise_shard::mixed_precision::MixedPrecision;
+use step03_layerwise_shard::prefetch::prefetch_within_budget;
 use step03_layerwise_shard::prefetch::{Prefetch, PrefetchAsked, one_in_flight, reduce_on_stream};
-use step03_layerwise_shard::tally::{prefetch_within_budget, reserve_receive_buffers};
+use step03_layerwise_shard::tally::reserve_receive_buffers;
 use step03_layerwise_shard::units::{FsdpUnit, build_units, update_all};
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard, schedule};
 
