@@ -208,6 +208,22 @@ hsdp RATE="500mbit" *ARGS: build
     bash scripts/cluster.sh --nodes 2 --slots 2 --rate {{RATE}} -- python3 scripts/hsdp.py --rate {{RATE}} {{ARGS}}
     if [ "${BOOK:-}" = 1 ]; then cp out/hsdp/hsdp.txt book/src/generated/04-hsdp-cluster.txt; echo "copied into book/src/generated/"; fi
 
+# Gradient accumulation four ways (lesson 03's --accumulate): unit-major, reduce-every, no-sync, keep-unsharded at
+# M/N = 1, 2, 4 on RANKS ranks: all-gathers and reduce-scatters per step (calls, bytes against theory), the tally's peak
+# beside the measured heap, the median step, and lesson 01's digest — on shared memory, then (root or user namespaces)
+# one rank per simulated node across a link shaped to RATE. `BOOK=1 just accumulate` copies both tables into the book.
+accumulate RANKS="2" RATE="250mbit" *ARGS: build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    rm -rf out/accumulate
+    python3 scripts/accumulate.py --ranks {{RANKS}} {{ARGS}}
+    bash scripts/cluster.sh --nodes {{RANKS}} --slots 1 --rate {{RATE}} -- python3 scripts/accumulate.py --ranks {{RANKS}} --rate {{RATE}} --steps 5 {{ARGS}}
+    if [ "${BOOK:-}" = 1 ]; then
+        cp out/accumulate/accumulate.txt book/src/generated/03-accumulate.txt
+        cp out/accumulate/accumulate-cluster.txt book/src/generated/03-accumulate-cluster.txt
+        echo "copied into book/src/generated/"
+    fi
+
 # A cluster on one machine (root or user namespaces): NODES network namespaces on one switch, each link shaped to RATE
 # (as tc writes it; none: unshaped); runs CMD in node1 with the hostfile out/cluster/hosts, then removes it all:
 #   just cluster 2 500mbit mpirun -q --hostfile out/cluster/hosts -n 2 -x RAYON_NUM_THREADS=1 target/release/step03-layerwise-shard

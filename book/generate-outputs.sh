@@ -114,6 +114,10 @@ cp out/book/03-small-params/memory_timeline.svg "$gen/03-memory-timeline-small.s
     done
 } > "$gen/03-prefetch.txt"
 echo "· 03-prefetch"
+# Gradient accumulation four ways (`just accumulate`): calls, bytes against theory, tally beside heap, lesson 01's bits.
+echo "· 03-accumulate"
+python3 scripts/accumulate.py > /dev/null
+cp out/accumulate/accumulate.txt "$gen/03-accumulate.txt"
 cp out/book/01-two-ranks/loss.svg "$gen/01-loss.svg"
 run 04-stage3-four-ranks 4 step04-optimizer-state-shard
 run 04-stage1-four-ranks 4 step04-optimizer-state-shard --stage 1

@@ -70,6 +70,13 @@ const EXERCISES: &[Exercise] = &[
         ranks: RANKS,
         args: &[M16[0], M16[1], "--no-plot", "--grad-clip", "0.3", "--unit-digests"],
     },
+    // No-sync's hand-off, 4 micro-batches per rank: every unit's sum two levels deep before its reduce-scatter.
+    Exercise {
+        id: "3.3",
+        package: "step03-layerwise-shard",
+        ranks: RANKS,
+        args: &[M16[0], M16[1], "--no-plot", "--accumulate", "no-sync", "--unit-digests"],
+    },
     Exercise {
         id: "4.1",
         package: "step04-optimizer-state-shard",
@@ -230,7 +237,8 @@ fn mine_is_refused_where_the_exercise_does_not_run() {
         ("step03-layerwise-shard", 2, &["--mine", "2"], "add --grad-clip"),
         ("step04-optimizer-state-shard", 2, &["--mine", "1", "--stage", "3"], "at --stage 2"),
         ("step04-optimizer-state-shard", 2, &["--mine", "2", "--precision", "fp32"], "under --precision bf16"),
-        ("step03-layerwise-shard", 2, &["--mine", "3"], "lesson 03 has exercises 3.1, 3.2"),
+        ("step03-layerwise-shard", 2, &["--mine", "3"], "under --accumulate no-sync"),
+        ("step03-layerwise-shard", 2, &["--mine", "4"], "lesson 03 has exercises 3.1, 3.2, 3.3"),
     ];
     for (i, (package, ranks, extra, says)) in cases.iter().enumerate() {
         let line = fails(package, *ranks, &fast(extra), &format!("mine-refused-{i}"));
@@ -410,7 +418,7 @@ macro_rules! exercise_checks {
 exercise_checks! {
     exercise_1_1 => "1.1", exercise_1_2 => "1.2",
     exercise_2_1 => "2.1", exercise_2_2 => "2.2",
-    exercise_3_1 => "3.1", exercise_3_2 => "3.2",
+    exercise_3_1 => "3.1", exercise_3_2 => "3.2", exercise_3_3 => "3.3",
     exercise_4_1 => "4.1", exercise_4_2 => "4.2",
 }
 

@@ -4,6 +4,7 @@
 //! See tests/README.md for what each module proves.
 mod common;
 
+mod accumulate;
 mod alpha_beta;
 mod bad_input;
 mod book;

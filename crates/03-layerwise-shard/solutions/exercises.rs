@@ -3,7 +3,7 @@
 //! The lesson runs these unless `--mine K` switches exercise 3.K to yours.
 use anyhow::Context;
 use candle_core::{Tensor, Var};
-use fsdp_comm::{Comm, ExactSquares, MicroBatchSum};
+use fsdp_comm::{Comm, ExactSquares, MicroBatchSum, World};
 use fsdp_gpt::model::BlockTape;
 use fsdp_gpt::params::PARAMS_PER_BLOCK;
 use fsdp_harness::Session;
@@ -65,4 +65,15 @@ pub fn global_norm(comm: &Comm, shards: &[&[f32]]) -> f64 {
         mine.merge(&ExactSquares::of(g));
     }
     comm.exact_sum(&mine).norm()
+}
+
+/// 3.3: the leaf pushed into the unit's sum; after my last micro-batch the
+/// sum reduce-scattered, then dropped.
+pub fn no_sync_hand_off(w: &World, unit: &mut FsdpUnit, held: &mut Option<MicroBatchSum>, leaf: Vec<f32>, last: bool) {
+    let sum = held.as_mut().expect("a unit's sum lives until my last micro-batch");
+    sum.push(leaf); // this micro-batch's gradient, into the tree
+    if last {
+        unit.reduce_scatter(w, sum); // my shard of the sum over all ranks
+        *held = None; // the unit's unsharded gradient, freed
+    }
 }

@@ -16,7 +16,7 @@
 //! snapshot, bit for bit. Hints are in the book's chapter 03.
 #![allow(dead_code)]
 use candle_core::{Tensor, Var};
-use fsdp_comm::{Comm, MicroBatchSum};
+use fsdp_comm::{Comm, MicroBatchSum, World};
 use fsdp_harness::Session;
 
 use crate::units::FsdpUnit;
@@ -70,4 +70,23 @@ pub fn global_norm(comm: &Comm, shards: &[&[f32]]) -> f64 {
     // TODO(exercise): 3.2
     let _ = (comm, shards);
     todo!("exercise 3.2: the norm of the whole gradient, from every rank's shards")
+}
+
+/// **Exercise 3.3 — no-sync's hand-off.** Under `--accumulate no-sync`
+/// (FSDP2's `set_requires_gradient_sync(False)` until the last micro-batch)
+/// my micro-batches run one after another, each a whole forward and
+/// backward. Each time a unit's backward is done, this is called with the
+/// unit, its unsharded gradient sum over my micro-batches so far (`held`:
+/// `Some` until handed off) and this micro-batch's gradient of the whole
+/// unit (`leaf`, padded). Add the leaf to the sum, in the one pairwise tree
+/// (`MicroBatchSum::push`). After my *last* micro-batch (`last`) the sum is
+/// complete: reduce-scatter it (`unit.reduce_scatter` keeps my shard of the
+/// sum over all ranks) and free it. Until then nothing of the unit crosses
+/// between ranks, and every rank holds every unit's whole fp32 gradient.
+pub fn no_sync_hand_off(w: &World, unit: &mut FsdpUnit, held: &mut Option<MicroBatchSum>, leaf: Vec<f32>, last: bool) {
+    // TODO(exercise): 3.3
+    let _ = (w, unit, held, leaf, last);
+    todo!(
+        "exercise 3.3: add the micro-batch's gradient to the unit's sum; after the last, reduce-scatter it and free it"
+    )
 }

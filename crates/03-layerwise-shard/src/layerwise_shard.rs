@@ -114,6 +114,11 @@ impl StepState {
         let batches = s.my_micro_batches().map(|k| s.sampler.micro_batch(step, k)).collect::<Result<_, _>>()?;
         Ok(Self { batches, ..Self::default() })
     }
+
+    /// … or micro-batch `k`'s alone (micro-batch after micro-batch: `accumulate.rs`).
+    pub(crate) fn for_micro_batch(s: &Session, step: u64, k: usize) -> anyhow::Result<Self> {
+        Ok(Self { batches: vec![s.sampler.micro_batch(step, k)?], ..Self::default() })
+    }
 }
 
 /// One rank's share of the training state: every unit, sharded.

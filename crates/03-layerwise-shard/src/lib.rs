@@ -3,7 +3,8 @@
 //! [`LayerwiseShard`] walks the model unit by unit: all-gather, compute,
 //! free; in backward re-gather, recompute, backpropagate, reduce-scatter.
 //! [`units`] holds the units themselves (all of lesson 04's stages reuse them),
-//! [`tally`] the bytes they cost and [`hsdp`] hybrid sharding's flag and traffic.
+//! [`tally`] the bytes they cost, [`hsdp`] hybrid sharding's flag and traffic
+//! and [`accumulate`] the other ways through my micro-batches (`--accumulate`).
 //!
 //! ```no_run
 //! # fn demo(s: &fsdp_harness::Session, start: fsdp_harness::Start) -> anyhow::Result<()> {
@@ -19,6 +20,7 @@
 //! let loss = fsdp.step(s, 1, &mut fsdp_harness::MemoryTimeline::off())?;
 //! # let _ = loss; Ok(()) }
 //! ```
+pub mod accumulate;
 pub mod head_grad;
 pub mod hsdp;
 pub mod layerwise_shard;
@@ -28,6 +30,7 @@ pub mod readout;
 pub mod tally;
 pub mod units;
 
+pub use accumulate::Accumulate;
 pub use head_grad::HeadGrad;
 pub use layerwise_shard::{LayerwiseShard, Phase, schedule};
 pub use mixed_precision::{describe_reduce, reduce_flag};

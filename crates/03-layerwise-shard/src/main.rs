@@ -6,6 +6,7 @@
 //! just step 03 4 --prefetch         # the next two units' all-gathers overlap compute
 //! just step 03 2 --prefetch --prefetch-depth 1   # only the next unit's
 //! just step 03 2 --blocks-per-unit 2 --check
+//! just step 03 2 --accumulate no-sync   # micro-batch after micro-batch, one reduce-scatter per unit at the end
 //! ```
 
 use std::process::ExitCode;
@@ -17,15 +18,16 @@ use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
+use step03_layerwise_shard::accumulate::{self, Accumulate, accumulate_tally, calls_per_step};
 use step03_layerwise_shard::mixed_precision::MixedPrecision;
 use step03_layerwise_shard::prefetch::{Prefetch, prefetch_within_budget, reduce_on_stream};
-use step03_layerwise_shard::tally::{bytes_per_step, reserve_receive_buffers, tally, units_json, unsharded_peak_table};
+use step03_layerwise_shard::tally::{reserve_receive_buffers, tally, units_json, unsharded_peak_table};
 use step03_layerwise_shard::units::build_units;
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp, schedule};
 use step03_layerwise_shard::{describe_reduce, reduce_flag};
 
 const LESSON: Lesson =
-    Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time", exercises: 2 };
+    Lesson { package: "step03-layerwise-shard", title: "layer-wise shard: one unit unsharded at a time", exercises: 3 };
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -79,6 +81,13 @@ struct Args {
     /// ranks), so the bits still do not depend on the world size.
     #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<ReduceDtype>())]
     reduce_dtype: ReduceDtype,
+    /// How my micro-batches go through the units: unit-major (all of them
+    /// through each unit together), or one after another, each unit's
+    /// gradient reduce-scattered after every micro-batch (reduce-every), or
+    /// summed unsharded and reduce-scattered after the last (no-sync), with
+    /// every unit also kept unsharded between them (keep-unsharded).
+    #[arg(long, default_value = "unit-major", value_name = "MODE", value_parser = |s: &str| s.parse::<Accumulate>())]
+    accumulate: Accumulate,
 }
 
 fn main() -> ExitCode {
@@ -109,6 +118,13 @@ fn main() -> ExitCode {
             },
         )?;
         hsdp::check(&s, args.hsdp)?;
+        let no_sync = matches!(args.accumulate, Accumulate::NoSync | Accumulate::KeepUnsharded);
+        fsdp_harness::lesson::agree(
+            world,
+            exercise::needs(3, 3, no_sync, "under --accumulate no-sync (its hand-off)"),
+        )?;
+        let refused = args.accumulate.refusal(args.prefetch, args.hsdp.is_some(), args.check, args.head_grad);
+        fsdp_harness::lesson::agree(world, refused.map_or(Ok(()), Err))?;
         let block_units = layers.div_ceil(blocks_per_unit); // 1 to `layers` (checked above)
         let asked = step03_layerwise_shard::prefetch::prefetch_depth(args.prefetch, args.prefetch_depth, block_units);
         let asked = fsdp_harness::lesson::agree(world, asked)?;
@@ -124,8 +140,9 @@ fn main() -> ExitCode {
             reduce_on_stream(&mut units); // FSDP2's reduce-scatter stream
         }
         let unit_names: Vec<&str> = units.iter().map(|u| u.name()).collect();
-        let (prefetch, head_grad) = prefetch_within_budget(&s, &units, asked, args.head_grad); // the same on every rank
-        s.print_config(&[
+        let head_grad = args.accumulate.head_grad(args.head_grad);
+        let (prefetch, head_grad) = prefetch_within_budget(&s, &units, asked, head_grad); // the same on every rank
+        let mut config = vec![
             ("FSDP units", format!("{} ({})", units.len(), unit_names.join(", "))),
             ("prefetch", step03_layerwise_shard::prefetch::describe_prefetch(prefetch, asked)),
             ("sharding", hsdp::describe(world.size(), args.hsdp)),
@@ -135,7 +152,9 @@ fn main() -> ExitCode {
                 "check against lesson 02",
                 if args.check { "every step".into() } else { "off (--check turns it on)".into() },
             ),
-        ]);
+        ];
+        config.extend(args.accumulate.config_row());
+        s.print_config(&config);
 
         reserve_receive_buffers(&s, &units); // on the stream's thread under --prefetch
         let mut fsdp = LayerwiseShard { units, head_grad };
@@ -150,6 +169,9 @@ fn main() -> ExitCode {
             timeline.record(step == s.first_step && !args.no_plot);
             let loss = match &plan {
                 Some(p) => fsdp.overlapped_step(&s, step, &mut timeline, p)?,
+                None if args.accumulate.micro_batch_major() => {
+                    fsdp.accumulating_step(&s, step, &mut timeline, args.accumulate)?
+                }
                 None => fsdp.step(&s, step, &mut timeline)?,
             };
             timeline.record(false);
@@ -177,8 +199,10 @@ fn main() -> ExitCode {
         let full = fsdp.gather_full(&s);
 
         let layouts: Vec<_> = fsdp.units.iter().map(|u| u.layout()).collect();
-        let (gather_bytes, scatter_bytes) = bytes_per_step(&layouts, head_grad, 4, s.reduce_dtype.bytes());
-        let scatter_bytes = scatter_bytes * s.sum_groups.per_rank() as u64; // one sum per group of mine
+        let (mine, groups) = (s.my_micro_batches().len(), s.sum_groups.per_rank()); // one sum per group of mine
+        let elems = (4, s.reduce_dtype.bytes());
+        let (gather_bytes, scatter_bytes) =
+            accumulate::bytes_per_step(args.accumulate, &layouts, head_grad, mine, groups, elems);
         let mut units = Table::new(["unit", "elements", "padding", "shard / rank", "MB unsharded"]);
         for u in &fsdp.units {
             let l = u.layout();
@@ -191,7 +215,10 @@ fn main() -> ExitCode {
             ]);
         }
         let max_div = divergence.iter().copied().fold(0.0, nan_max);
-        let mut memory = tally(&s, &fsdp.units, prefetch, head_grad);
+        let mut memory = match args.accumulate.micro_batch_major() {
+            true => accumulate_tally(&s, &fsdp.units, args.accumulate),
+            false => tally(&s, &fsdp.units, prefetch, head_grad),
+        };
         if let Some(r) = &reference_tally {
             // --check: lesson 02 beside, a diagnostic. Its state stays; its
             // step's peak shows only where it exceeds this lesson's.
@@ -202,13 +229,25 @@ fn main() -> ExitCode {
         }
         let mut report = Report::new(&s, &run, memory);
         hsdp::report_traffic(&mut report, &s, &layouts, sent, gather_bytes, scatter_bytes);
+        report.table(units.render());
+        if args.accumulate != Accumulate::KeepUnsharded {
+            report.table(unsharded_peak_table(&fsdp.units, prefetch, head_grad).render()); // (else: every unit)
+        }
+        if args.accumulate.micro_batch_major() {
+            let (gathers, scatters) = calls_per_step(args.accumulate, fsdp.units.len(), mine, head_grad);
+            report.table(format!(
+                "--accumulate {}: {gathers} all-gathers and {scatters} reduce-scatters per step by theory \
+                 ({} units, {mine} micro-batch(es) of mine)\n",
+                args.accumulate.name(),
+                fsdp.units.len()
+            ));
+        }
         report
-            .table(units.render())
-            .table(unsharded_peak_table(&fsdp.units, prefetch, head_grad).render())
             .json("max_divergence", serde_json::json!(args.check.then_some(max_div)))
             .json("divergence", serde_json::json!(divergence))
             .json("units", units_json(&fsdp.units))
             .json("head_grad", serde_json::json!(head_grad.name()))
+            .json("accumulate", serde_json::json!(args.accumulate.name()))
             .json("memory_timeline", serde_json::json!(timeline.events));
         if args.check {
             report.table(format!(

@@ -17,15 +17,26 @@ use crate::units::FsdpUnit;
 /// Bytes this rank holds, by category, from shapes: every unit's shards
 /// (kept), and the busiest moment of the step's schedule — the head, a
 /// unit's recompute+backward or the embedding's backward, micro-batch by
-/// micro-batch — with what it carries from the entries before it.
+/// micro-batch — with what it carries from the entries before it
+/// ([`step_moments`]).
 /// Lesson 04's stage 3 runs the same schedule and uses it too. `prefetch`:
 /// the entries gathered ahead (0 without `--prefetch`).
 pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -> MemoryTally {
+    let mut k = kept(s, units);
+    let all_mine = Pass {
+        mine: s.my_micro_batches().len(),
+        first: 0,
+        handed_on: false,
+        across: &|_: &mut Moment, _: usize, _: bool| {},
+    };
+    k.peak(step_moments(s, units, prefetch, head, &all_mine));
+    k
+}
+// ANCHOR_END: tally
+
+/// What every unit's shards and the kept buffers take, from step to step.
+pub(crate) fn kept(s: &Session, units: &[FsdpUnit]) -> MemoryTally {
     let n = units[0].layout().world; // the ranks a unit is sharded over: N, or S under --hsdp
-    let e = units[0].param_bytes(); // the compute dtype's bytes
-    let dt = if e == 2 { "bf16" } else { "fp32" };
-    let ((b, t), c, v) = (s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size);
-    let (btc, mine) = (b * t * c, s.my_micro_batches().len());
     let shard: usize = units.iter().map(|u| u.layout().shard_len).sum();
     let mut k = MemoryTally::new();
     let share = format!("1/{n} of every unit");
@@ -38,7 +49,39 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         k.add(category, len, elem, note);
     }
     s.data_tally(&mut k);
+    k
+}
 
+/// Which of my micro-batches walk the schedule together in the moments of
+/// [`step_moments`], and what lives across them.
+pub(crate) struct Pass<'a> {
+    /// How many: all of mine (unit-major), or one (`--accumulate`'s other modes).
+    pub mine: usize,
+    /// The first one's index among mine (for the moments' labels).
+    pub first: usize,
+    /// Whether a unit's gradient is handed on after its backward entry
+    /// (`accumulate.rs`), rather than reduce-scattered there: a moment for
+    /// each hand-off then.
+    pub handed_on: bool,
+    /// Adds what lives across micro-batches at schedule entry `at`, or
+    /// (`true`) at its unit's hand-off after it.
+    pub across: &'a dyn Fn(&mut Moment, usize, bool),
+}
+
+// ANCHOR: step_moments
+/// The moments of the step's schedule, entry by entry, for the
+/// micro-batches of `pass`: the busiest is the step's peak.
+pub(crate) fn step_moments(
+    s: &Session,
+    units: &[FsdpUnit],
+    prefetch: usize,
+    head: HeadGrad,
+    pass: &Pass,
+) -> Vec<Moment> {
+    let e = units[0].param_bytes(); // the compute dtype's bytes
+    let dt = if e == 2 { "bf16" } else { "fp32" };
+    let ((b, t), c, v) = (s.micro_batch_shape(), s.cfg.n_embd, s.cfg.vocab_size);
+    let (btc, mine, mb) = (b * t * c, pass.mine, |k: usize| pass.first + k);
     let shapes = s.shapes(e);
     let tape = shapes.block_taped((b, t)); // a block recomputed on its tape, and its backward
     let block_numel = s.table.unit_range(fsdp_gpt::Unit::Block(0)).len();
@@ -125,14 +168,20 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
     // A unit's reduce-scatter with several sums per rank (--sum-groups):
     // they are packed per destination first, beside the sums themselves.
     // `at`: its entry in the schedule.
+    // Handed on instead (`pass.handed_on`): a moment for every unit's hand-off.
     let send_moment = |u: &FsdpUnit, at: usize, saved: usize, done: usize| {
         let groups = s.sum_groups.per_rank();
-        (groups > 1).then(|| {
-            let mut m = Moment::new(format!("reduce-scatter of {}", u.name()));
+        (groups > 1 || pass.handed_on).then(|| {
+            let mut m = match pass.handed_on {
+                false => Moment::new(format!("reduce-scatter of {}", u.name())),
+                true => Moment::new(format!("hand-off of {}, micro-batch {}", u.name(), mb(0))),
+            };
             m.add(&format!("saved unit inputs ({dt})"), saved, e, "(B, T, C) per unit and micro-batch");
             carried(&mut m, done);
             sums(&mut m, u, done);
-            m.add("send buffer", groups * u.layout().padded, 4, "its group sums packed per destination");
+            if !pass.handed_on {
+                m.add("send buffer", groups * u.layout().padded, 4, "its group sums packed per destination");
+            }
             ids(&mut m);
             prefetched(&mut m, at);
             m
@@ -146,7 +195,12 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
                 .add(&format!("lm_head part of wte grad ({dt})"), v * c, e, "recomputed, this micro-batch's");
         }
     };
+    // Each moment with what lives across micro-batches at entry `at` (at its hand-off: `handing`).
     let mut moments = vec![];
+    let mut push = |mut m: Moment, at: usize, handing: bool| {
+        (pass.across)(&mut m, at, handing);
+        moments.push(m);
+    };
     // The forward entries: no graph, only each unit's output kept. Never the
     // busiest moment with one entry gathered ahead; with more (two, --prefetch's
     // default), all but the first of them can be in flight here, so they are
@@ -156,7 +210,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
     for (at, unit) in units.iter().enumerate().take(blocks + 1) {
         for k in 0..mine {
             let name = if at == 0 { "embed" } else { "forward" };
-            let mut m = Moment::new(format!("{name} of {}, micro-batch {k}", unit.name()));
+            let mut m = Moment::new(format!("{name} of {}, micro-batch {}", unit.name(), mb(k)));
             m.add(&format!("unit as candle Vars ({dt})"), unit.layout().numel, e, "gathered, freed after use").add(
                 &format!("saved unit inputs ({dt})"),
                 (at * mine + k) * btc,
@@ -170,12 +224,12 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
             };
             m.add(&format!("{what} ({dt})"), len, e, "no graph: at most what its graph would keep");
             prefetched(&mut m, at);
-            moments.push(m);
+            push(m, at, false);
         }
     }
     for k in 0..mine {
         // The head: my micro-batch k's head forward and backward.
-        let mut m = Moment::new(format!("head forward+backward, micro-batch {k}"));
+        let mut m = Moment::new(format!("head forward+backward, micro-batch {}", mb(k)));
         m.add(&format!("root as candle Vars ({dt})"), units[0].layout().numel, e, "gathered, freed after use").add(
             &format!("saved unit inputs ({dt})"),
             (blocks * mine + mine - k) * btc,
@@ -187,7 +241,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         ids(&mut m);
         pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph");
         prefetched(&mut m, head_at);
-        moments.push(m);
+        push(m, head_at, false);
         // Each block unit's recompute and backward: its blocks recomputed on
         // tapes, then pulled back through them last first, each block's
         // gradients added onto the micro-batch's slot of the sum at once.
@@ -216,23 +270,26 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
                 };
                 // Block j's backward: the slot is taken after the unit's last block's.
                 let slots = if j + 1 == unit.blocks() { k } else { k + 1 };
-                let mut m = Moment::new(format!("recompute+backward of {}{which}, micro-batch {k}", unit.name()));
+                let mut m = Moment::new(format!("recompute+backward of {}{which}, micro-batch {}", unit.name(), mb(k)));
                 base(&mut m, slots, j);
                 tape_rows(&mut m, &tape);
-                moments.push(m);
+                push(m, backward_at(u), false);
                 // Its tape gone, its gradients are added onto the slot.
-                let mut m = Moment::new(format!("adding {}{which}'s gradients, micro-batch {k}", unit.name()));
+                let mut m = Moment::new(format!("adding {}{which}'s gradients, micro-batch {}", unit.name(), mb(k)));
                 base(&mut m, k + 1, j);
                 m.add(&format!("the block's gradients ({dt})"), block_numel, e, "added onto the sum, then freed");
-                moments.push(m);
+                push(m, backward_at(u), false);
             }
             if k + 1 == mine {
-                moments.extend(send_moment(unit, backward_at(u), (u - 1) * mine * btc, mine)); // its own inputs gone
+                // its own inputs gone
+                if let Some(m) = send_moment(unit, backward_at(u), (u - 1) * mine * btc, mine) {
+                    push(m, backward_at(u), true);
+                }
             }
         }
         // The head recomputed, when it is: the root gathered again.
         if head == HeadGrad::Recompute {
-            let mut m = Moment::new(format!("head recompute, micro-batch {k}"));
+            let mut m = Moment::new(format!("head recompute, micro-batch {}", mb(k)));
             m.add(&format!("root as candle Vars ({dt})"), units[0].layout().numel, e, "gathered again, for the head");
             carried(&mut m, mine);
             sums(&mut m, &units[0], k);
@@ -240,10 +297,10 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
             ids(&mut m);
             pass_rows(&mut m, &shapes.head_and_loss((b, t)), "the head's graph, again");
             reducing(&mut m, units.get(1));
-            moments.push(m);
+            push(m, plan.len() - 1, false);
         }
         // The embedding's backward: no weights, the tied wte completed.
-        let mut m = Moment::new(format!("embedding backward, micro-batch {k}"));
+        let mut m = Moment::new(format!("embedding backward, micro-batch {}", mb(k)));
         carried(&mut m, mine);
         recomputed(&mut m);
         sums(&mut m, &units[0], k);
@@ -251,8 +308,8 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         let f = shapes.embedding_backward((b, t));
         embedding_rows(&mut m, &f, v * c * e);
         reducing(&mut m, units.get(1));
-        moments.push(m);
-        let mut m = Moment::new(format!("adding the root's gradient of micro-batch {k}"));
+        push(m, plan.len() - 1, false);
+        let mut m = Moment::new(format!("adding the root's gradient of micro-batch {}", mb(k)));
         carried(&mut m, mine);
         recomputed(&mut m);
         sums(&mut m, &units[0], k + 1);
@@ -264,15 +321,14 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         );
         ids(&mut m);
         reducing(&mut m, units.get(1));
-        moments.push(m);
-        if k + 1 == mine {
-            moments.extend(send_moment(&units[0], plan.len() - 1, 0, mine));
+        push(m, plan.len() - 1, false);
+        if let Some(m) = send_moment(&units[0], plan.len() - 1, 0, mine).filter(|_| k + 1 == mine) {
+            push(m, plan.len() - 1, true);
         }
     }
-    k.peak(moments);
-    k
+    moments
 }
-// ANCHOR_END: tally
+// ANCHOR_END: step_moments
 
 // ANCHOR: head_grad_choice
 /// The default [`HeadGrad`]: recompute the head only if that lowers the

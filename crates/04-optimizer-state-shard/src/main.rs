@@ -8,6 +8,7 @@
 //! just tally 7B 64                     # the same accounting at any scale
 //! just zero-memory                     # GPT-2 small's size: every scheme, measured beside its tally
 //! just fits                            # data parallel and ZeRO-1 run out of memory; ZeRO-3 trains
+//! just step 04 2 --accumulate reduce-every   # ZeRO-3 micro-batch after micro-batch (lesson 03's modes)
 //! ```
 
 use std::process::ExitCode;
@@ -17,8 +18,8 @@ use fsdp_comm::ReduceDtype;
 use fsdp_gpt::Precision;
 use fsdp_harness::config_table::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise};
+use step03_layerwise_shard::accumulate::{self, Accumulate, accumulate_tally};
 use step03_layerwise_shard::prefetch::{describe_prefetch, prefetch_depth};
-use step03_layerwise_shard::tally::bytes_per_step;
 use step03_layerwise_shard::{HeadGrad, describe_reduce, hsdp, reduce_flag};
 use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally, stage2_tally};
 use step04_optimizer_state_shard::{OptimizerStateShard, Overlap};
@@ -77,6 +78,10 @@ struct Args {
     /// ranks), so the bits still do not depend on the world size.
     #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<ReduceDtype>())]
     reduce_dtype: ReduceDtype,
+    /// Stage 3: how my micro-batches go through the units (lesson 03's
+    /// --accumulate): unit-major, reduce-every, no-sync or keep-unsharded.
+    #[arg(long, default_value = "unit-major", value_name = "MODE", value_parser = |s: &str| s.parse::<Accumulate>())]
+    accumulate: Accumulate,
 }
 
 const STAGES: [&str; 3] = [
@@ -111,7 +116,15 @@ fn main() -> ExitCode {
                 _ if args.overlap_comm && args.stage == 3 => Err(anyhow::anyhow!(
                     "--overlap-comm applies to stages 1 and 2: at --stage 3 pass --prefetch (FSDP2's overlap, lesson 03's)"
                 )),
-                _ => Ok(()),
+                _ if args.accumulate.micro_batch_major() && args.stage < 3 => Err(anyhow::anyhow!(
+                    "--accumulate {} applies to stage 3 (lesson 03's schedule): stage {}'s step already runs micro-batch after micro-batch",
+                    args.accumulate.name(),
+                    args.stage
+                )),
+                _ => args
+                    .accumulate
+                    .refusal(args.prefetch, args.hsdp.is_some(), false, args.head_grad)
+                    .map_or(Ok(()), Err),
             },
         )?;
         hsdp::check(&s, args.hsdp)?;
@@ -135,7 +148,7 @@ fn main() -> ExitCode {
             args.precision,
             comms,
             args.recompute,
-            args.head_grad,
+            args.accumulate.head_grad(args.head_grad),
             overlap,
         )?;
         let head_grad = zero.fsdp.head_grad;
@@ -165,6 +178,7 @@ fn main() -> ExitCode {
                 },
             ),
         ];
+        rows.extend(args.accumulate.config_row());
         if args.overlap_comm {
             rows.push((
                 "overlap-comm",
@@ -178,6 +192,9 @@ fn main() -> ExitCode {
         for step in s.steps() {
             let loss = match zero.overlapped() {
                 true => zero.overlapped_step(&s, step, &mut MemoryTimeline::off())?,
+                false if args.accumulate.micro_batch_major() => {
+                    zero.fsdp.accumulating_step(&s, step, &mut MemoryTimeline::off(), args.accumulate)? // stage 3
+                }
                 false => zero.step(&s, step, &mut MemoryTimeline::off())?,
             };
             s.end_step(step, &mut run, loss, || zero.fsdp.checkpoint_pieces())?; // budget, checkpoint, stop
@@ -207,22 +224,23 @@ fn main() -> ExitCode {
         let sent_bytes = |bytes: usize| -> u64 {
             units.iter().map(|u| ((u.layout().world - 1) * u.layout().shard_len * bytes) as u64).sum()
         };
-        let gathered = match args.stage {
-            // lesson 03's schedule, gathering the compute dtype
+        let layouts: Vec<_> = units.iter().map(|u| u.layout()).collect();
+        let groups = s.sum_groups.per_rank();
+        let (gathered, scattered) = match args.stage {
+            // lesson 03's schedule (in its --accumulate mode), gathering the compute dtype
             3 => {
-                let layouts: Vec<_> = units.iter().map(|u| u.layout()).collect();
-                bytes_per_step(&layouts, head_grad, args.precision.bytes(), s.reduce_dtype.bytes()).0
+                let (elems, mine) = ((args.precision.bytes(), s.reduce_dtype.bytes()), s.my_micro_batches().len());
+                accumulate::bytes_per_step(args.accumulate, &layouts, head_grad, mine, groups, elems)
             }
-            _ => sent_bytes(args.precision.bytes()),
+            _ => (sent_bytes(args.precision.bytes()), groups as u64 * sent_bytes(s.reduce_dtype.bytes())),
         };
         let memory = match args.stage {
             1 => stage1_tally(&s, units, args.recompute, zero.overlap_comm),
             2 => stage2_tally(&s, units, args.recompute, zero.overlap_comm),
+            _ if args.accumulate.micro_batch_major() => accumulate_tally(&s, units, args.accumulate),
             _ => step03_layerwise_shard::tally::tally(&s, units, zero.prefetch_depth(), head_grad), // lesson 03's schedule
         };
         let mut report = Report::new(&s, &run, memory);
-        let layouts: Vec<_> = units.iter().map(|u| u.layout()).collect();
-        let scattered = s.sum_groups.per_rank() as u64 * sent_bytes(s.reduce_dtype.bytes());
         hsdp::report_traffic(&mut report, &s, &layouts, sent, gathered, scattered);
         report
             .table(format!(
@@ -237,6 +255,7 @@ fn main() -> ExitCode {
             .json("units", step03_layerwise_shard::tally::units_json(units))
             .json("head_grad", serde_json::json!((args.stage == 3).then(|| head_grad.name())))
             .json("precision", serde_json::json!(args.precision.to_string()))
+            .json("accumulate", serde_json::json!(args.accumulate.name()))
             .json(
                 "side_by_side_bytes",
                 serde_json::json!(

@@ -383,6 +383,55 @@ impl Comm {
         }
     }
 
+    // ANCHOR: deferred_reduce_scatter
+    /// **reduce-scatter, its sum deferred**: the all-to-all of the ordered
+    /// reduce-scatter alone, for one micro-batch's gradient `leaf` (whole,
+    /// padded, in `dtype`'s values: 2 bytes per element on the wire under
+    /// bf16, and `leaf` holds no values after). `received` (the same length)
+    /// gets every rank's shard of mine of its leaf, in rank order:
+    /// [source rank][shard]. Counted as the reduce-scatter it is; its sum
+    /// is [`Comm::finish_deferred`]'s, once every micro-batch has arrived.
+    pub fn reduce_scatter_deferred(&self, leaf: &mut [f32], dtype: ReduceDtype, received: &mut [f32]) {
+        assert_eq!(leaf.len(), received.len(), "reduce_scatter_deferred: a whole vector each way");
+        let n = leaf.len() / self.size;
+        let bytes = self.reduce_scatter_bytes_in(dtype, 1, n);
+        self.timed(Collective::ReduceScatter, bytes, bytes, || {
+            if self.size == 1 {
+                return received.copy_from_slice(leaf);
+            }
+            match dtype {
+                ReduceDtype::F32 => self.raw_all_to_all(&*leaf, received),
+                ReduceDtype::Bf16 => {
+                    let len = leaf.len();
+                    self.raw_all_to_all(compact_bf16(leaf), &mut as_bits(received)[..len]);
+                    widen_bf16(received);
+                }
+            }
+        });
+    }
+
+    /// The sum of a reduce-scatter whose all-to-alls went ahead micro-batch
+    /// by micro-batch ([`Comm::reduce_scatter_deferred`]): `grads` summed
+    /// the received vectors in my micro-batches' tree, so its group sums
+    /// hold, side by side, each rank's group sums' shard of mine. `mine`
+    /// gets their sum, in global order (rank 0's groups first) by the rank
+    /// sum (under bf16, each sum rounded): the additions, and so the bits,
+    /// of [`Comm::reduce_scatter_sum`]. Nothing moves.
+    pub fn finish_deferred(&self, grads: &mut MicroBatchSum, mine: &mut [f32]) {
+        let (n, dtype) = (mine.len(), grads.dtype());
+        let mut shards: Vec<_> = grads.sums().iter_mut().map(|g| g.chunks_exact_mut(n)).collect();
+        let mut parts: Vec<&mut [f32]> = Vec::with_capacity(self.size * shards.len());
+        for _ in 0..self.size {
+            parts.extend(shards.iter_mut().map(|g| g.next().expect("a shard from every rank")));
+        }
+        match dtype {
+            ReduceDtype::F32 => (self.rank_sum())(&mut parts),
+            ReduceDtype::Bf16 => crate::reduce::sum_pairwise_in(dtype, &mut parts),
+        }
+        mine.copy_from_slice(parts[0]);
+    }
+    // ANCHOR_END: deferred_reduce_scatter
+
     /// [`Comm::reduce_scatter_groups`] in bf16 ([`Comm::reduce_scatter_packed_bf16`]).
     fn reduce_scatter_groups_bf16(&self, groups: &mut [Vec<f32>], mine: &mut [f32]) {
         let (k, n) = (groups.len(), mine.len());
@@ -558,6 +607,21 @@ fn compact_bf16(v: &mut [f32]) -> &[u16] {
     }
     // SAFETY: the first n u16s of v's storage were all written above; f32's alignment covers u16's.
     unsafe { std::slice::from_raw_parts(p.cast::<u16>(), n) }
+}
+
+/// The inverse of [`compact_bf16`]: the bf16 bits in the first half of
+/// `v`'s bytes widened in place into the f32 values they are, back to
+/// front: element i's four bytes at 4i are written after the bits at 2i
+/// were read, and cover only bits at 2i and 2i + 1, read already (i > 0)
+/// or just now (i = 0).
+fn widen_bf16(v: &mut [f32]) {
+    let (n, p) = (v.len(), v.as_mut_ptr());
+    for i in (0..n).rev() {
+        // SAFETY: i < n; the u16 at index i (bytes 2i..2i+2) lies inside v and is read before
+        // element i (bytes 4i..4i+4) is written; that write covers u16s 2i and 2i + 1, both ≥ i,
+        // so read already (i > 0: every u16 above i was read before) or this very one (i = 0).
+        unsafe { p.add(i).write(bf16_value(p.cast::<u16>().add(i).read())) };
+    }
 }
 
 /// An f32 buffer's storage as u16s, twice as many (any bits are valid u16s).

@@ -59,7 +59,9 @@ pub use mesh::Mesh;
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
 pub use mpi::traits::Equivalence;
 pub use progress::PollPolicy;
-pub use reduce::{MicroBatchSlot, MicroBatchSum, ReduceDtype, SumGroups, nan_max, sum_pairwise, sum_pairwise_bf16};
+pub use reduce::{
+    MicroBatchSlot, MicroBatchSum, ReduceDtype, SumGroups, nan_max, sum_pairwise, sum_pairwise_bf16, sum_pairwise_in,
+};
 pub use stream::{CommOf, Pending, Stream, Wire};
 pub use trace::{Lane, Span, Trace};
 pub use traffic::{Collective, Times, Traffic, TrafficStats};

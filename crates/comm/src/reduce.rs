@@ -130,6 +130,21 @@ pub fn sum_pairwise_bf16(parts: &mut [&mut [u16]]) {
 }
 // ANCHOR_END: reduce_dtype
 
+/// [`sum_pairwise`] in `dtype`: under bf16 on bf16 values held as f32, each
+/// sum rounded — the bits [`sum_pairwise_bf16`] gives on their bits.
+pub fn sum_pairwise_in(dtype: ReduceDtype, parts: &mut [&mut [f32]]) {
+    assert!(!parts.is_empty(), "sum_pairwise_in: nothing to sum");
+    if parts.len() > 1 {
+        let (left, right) = parts.split_at_mut(parts.len() / 2);
+        sum_pairwise_in(dtype, left);
+        sum_pairwise_in(dtype, right);
+        match dtype {
+            ReduceDtype::F32 => add_assign(left[0], right[0]),
+            ReduceDtype::Bf16 => add_assign_bf16(left[0], right[0]),
+        }
+    }
+}
+
 /// `max` that keeps a NaN: a broken run must not read as "0 divergence"
 /// (`f32::max` drops a NaN, and so does a comparison-based max).
 pub fn nan_max(a: f32, b: f32) -> f32 {
@@ -259,6 +274,19 @@ impl SumGroups {
         }
         most
     }
+
+    /// The buffers a sum fed whole micro-batches ([`MicroBatchSum::push`],
+    /// which frees merged halves) holds after my first `k`: its finished
+    /// group sums and the partial sums on its stack.
+    pub fn held_after(&self, k: usize) -> usize {
+        let nodes = group_tree(self.group_len());
+        let (q, mut stack) = (self.group_len(), Vec::<(Range<usize>, ())>::new());
+        for i in 0..k % q {
+            stack.push((i..i + 1, ()));
+            merge_siblings(&nodes, &mut stack, |_, _| {});
+        }
+        k / q + stack.len()
+    }
 }
 // ANCHOR_END: sum_groups
 
@@ -381,10 +409,15 @@ impl MicroBatchSum {
     /// [`MicroBatchSum::add`] makes for the whole vector, restricted to the
     /// range, so the bits are the same however the vector is cut.
     pub fn begin(&mut self) -> MicroBatchSlot<'_> {
-        assert!(self.added < self.plan.micro_batches / self.plan.world, "more micro-batches than this rank holds");
         let mut buf = self.spare.pop().unwrap_or_default();
         buf.clear();
         buf.resize(self.len, 0.0);
+        self.slot(buf)
+    }
+
+    /// The next micro-batch's slot, on `buf` as it is.
+    fn slot(&mut self, buf: Vec<f32>) -> MicroBatchSlot<'_> {
+        assert!(self.added < self.plan.micro_batches / self.plan.world, "more micro-batches than this rank holds");
         // Which partial sums the new leaf merges into: the top `merges` of the
         // stack, walked down as `merge_siblings` will join them in `finish`.
         let i = self.added % self.plan.group_len();
@@ -400,6 +433,33 @@ impl MicroBatchSum {
         let mut done = std::mem::take(&mut self.done);
         done.clear();
         MicroBatchSlot { sum: self, buf, merges, completes_group, done }
+    }
+
+    /// The one micro-batch added so far, taken out whole: its gradient as
+    /// the tree's leaf holds it (rounded to bf16 under bf16). What a step
+    /// that walks micro-batch after micro-batch hands on to a sum held
+    /// across them ([`MicroBatchSum::push`]).
+    pub fn take_leaf(&mut self) -> Vec<f32> {
+        assert_eq!(self.added, 1, "a leaf is a sum of exactly one micro-batch");
+        self.added = 0;
+        let leaf = self.sums.pop().or_else(|| self.stack.pop().map(|(_, b)| b));
+        leaf.expect("the micro-batch's buffer")
+    }
+
+    /// Adds the next of my micro-batches given whole: `leaf`, its gradient
+    /// as [`MicroBatchSum::take_leaf`] took it from a sum of the same plan
+    /// and dtype (or every rank's shard of such leaves, side by side: the
+    /// additions are element by element). The additions are those of
+    /// [`MicroBatchSum::add`], so are the bits (a leaf is the zeroed buffer
+    /// plus the gradient already, and bf16's rounding of it is exact). Every
+    /// leaf brings its own buffer, so merged halves are freed, not kept:
+    /// [`SumGroups::held_after`] says how many are held.
+    pub fn push(&mut self, leaf: Vec<f32>) {
+        assert_eq!(leaf.len(), self.len, "a leaf of the sum's length");
+        let mut slot = self.slot(leaf);
+        slot.done(0..slot.len());
+        slot.finish();
+        self.spare.clear();
     }
 
     /// My group sums, taken out (what a reduce-scatter on the stream carries
@@ -720,6 +780,37 @@ mod tests {
                 assert_eq!(bits(&pieces), bits(&whole), "M {m}, G {g}, N {n}, {p} pieces");
             }
         }
+    }
+
+    /// Micro-batch after micro-batch: each micro-batch's leaf taken from a
+    /// sum of its own and pushed into one held across them gives the bits of
+    /// adding them all to one sum, in fp32 and bf16, for any grouping; the
+    /// held sum keeps only what `held_after` says.
+    #[test]
+    fn leaves_pushed_one_by_one_give_the_bits_of_one_sum() {
+        for (m, g, n) in [(1, 1, 1), (2, 1, 1), (4, 1, 1), (8, 2, 1), (12, 4, 2), (6, 3, 3), (24, 2, 2)] {
+            let plan = SumGroups::new(g, m, n).unwrap();
+            for dtype in [ReduceDtype::F32, ReduceDtype::Bf16] {
+                let (len, mine) = (5, m / n);
+                let grad = |k: usize, e: usize| values(mine * len)[k * len + e];
+                let mut whole = MicroBatchSum::new(plan, len).in_dtype(dtype);
+                let mut held = MicroBatchSum::new(plan, len).in_dtype(dtype);
+                for k in 0..mine {
+                    whole.add(|b| b.iter_mut().enumerate().for_each(|(e, x)| *x += grad(k, e)));
+                    let mut one = MicroBatchSum::new(plan, len).in_dtype(dtype);
+                    one.add(|b| b.iter_mut().enumerate().for_each(|(e, x)| *x += grad(k, e)));
+                    held.push(one.take_leaf());
+                    assert_eq!(held.stack.len() + held.sums.len() + held.spare.len(), plan.held_after(k + 1));
+                }
+                let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(held.sums()), bits(whole.sums()), "M {m}, G {g}, N {n}, {dtype}");
+            }
+            assert_eq!(plan.held_after(0), 0);
+            assert!((0..=m / n).all(|k| plan.held_after(k) <= plan.buffers()));
+        }
+        let mut parts = [[1e8f32], [1.0], [-1e8], [0.0]];
+        sum_pairwise_in(ReduceDtype::F32, &mut parts.iter_mut().map(|p| &mut p[..]).collect::<Vec<_>>());
+        assert_eq!(parts[0][0], (1e8f32 + 1.0) + (-1e8f32 + 0.0));
     }
 
     #[test]
