@@ -86,7 +86,5 @@ pub fn global_norm(comm: &Comm, shards: &[&[f32]]) -> f64 {
 pub fn no_sync_hand_off(w: &World, unit: &mut FsdpUnit, held: &mut Option<MicroBatchSum>, leaf: Vec<f32>, last: bool) {
     // TODO(exercise): 3.3
     let _ = (w, unit, held, leaf, last);
-    todo!(
-        "exercise 3.3: add the micro-batch's gradient to the unit's sum; after the last, reduce-scatter it and free it"
-    )
+    todo!("exercise 3.3: push the leaf onto the unit's sum; after the last, reduce-scatter it and free it")
 }

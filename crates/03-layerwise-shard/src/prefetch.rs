@@ -257,6 +257,27 @@ pub fn one_in_flight(units: &mut [FsdpUnit], reducing: &mut Option<usize>, u: us
     }
 }
 
+/// How far `--prefetch` reaches, and the [`HeadGrad`] at that reach
+/// (`head`: `--head-grad`, else [`crate::tally::lower_peak`]'s). A depth given with
+/// `--prefetch-depth` is kept; the default, two entries ahead, is lowered to
+/// one where the tally's peak with two would pass `--mem-budget` — memory
+/// allowing, as FSDP1's `limit_all_gathers` and DeepSpeed's
+/// `stage3_max_live_parameters` bound the units in flight. (If one does not
+/// fit either, the run stops at the budget as any run does.)
+pub fn prefetch_within_budget(
+    s: &Session,
+    units: &[FsdpUnit],
+    asked: PrefetchAsked,
+    head: Option<HeadGrad>,
+) -> (usize, HeadGrad) {
+    let at = |depth| (depth, head.unwrap_or_else(|| crate::tally::lower_peak(s, units, depth)));
+    let wanted = at(asked.depth);
+    let over = |(depth, head)| {
+        s.args.mem_budget.is_some_and(|b| crate::tally::tally(s, units, depth, head).expected_peak_bytes() > b)
+    };
+    if !asked.given && asked.depth > 1 && over(wanted) { at(1) } else { wanted }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,25 +345,4 @@ mod tests {
         assert_eq!(p.issue[7], [9]);
         assert!(p.issue[8].is_empty() && p.issue[10].is_empty());
     }
-}
-
-/// How far `--prefetch` reaches, and the [`HeadGrad`] at that reach
-/// (`head`: `--head-grad`, else [`crate::tally::lower_peak`]'s). A depth given with
-/// `--prefetch-depth` is kept; the default, two entries ahead, is lowered to
-/// one where the tally's peak with two would pass `--mem-budget` — memory
-/// allowing, as FSDP1's `limit_all_gathers` and DeepSpeed's
-/// `stage3_max_live_parameters` bound the units in flight. (If one does not
-/// fit either, the run stops at the budget as any run does.)
-pub fn prefetch_within_budget(
-    s: &Session,
-    units: &[FsdpUnit],
-    asked: PrefetchAsked,
-    head: Option<HeadGrad>,
-) -> (usize, HeadGrad) {
-    let at = |depth| (depth, head.unwrap_or_else(|| crate::tally::lower_peak(s, units, depth)));
-    let wanted = at(asked.depth);
-    let over = |(depth, head)| {
-        s.args.mem_budget.is_some_and(|b| crate::tally::tally(s, units, depth, head).expected_peak_bytes() > b)
-    };
-    if !asked.given && asked.depth > 1 && over(wanted) { at(1) } else { wanted }
 }
