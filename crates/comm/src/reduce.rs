@@ -24,12 +24,17 @@ use std::ops::Range;
 /// the midpoint: `sum(parts) = sum(left half) + sum(right half)`, each half
 /// summed into its own first part. In place: no buffer beyond the parts.
 pub fn sum_pairwise(parts: &mut [&mut [f32]]) {
+    pairwise_tree(parts, add_assign);
+}
+
+/// The midpoint tree of [`sum_pairwise`], each sum formed by `add` (f32's, or bf16's rounded one).
+fn pairwise_tree(parts: &mut [&mut [f32]], add: fn(&mut [f32], &[f32])) {
     assert!(!parts.is_empty(), "sum_pairwise: nothing to sum");
     if parts.len() > 1 {
         let (left, right) = parts.split_at_mut(parts.len() / 2);
-        sum_pairwise(left);
-        sum_pairwise(right);
-        add_assign(left[0], right[0]);
+        pairwise_tree(left, add);
+        pairwise_tree(right, add);
+        add(left[0], right[0]);
     }
 }
 
@@ -133,15 +138,9 @@ pub fn sum_pairwise_bf16(parts: &mut [&mut [u16]]) {
 /// [`sum_pairwise`] in `dtype`: under bf16 on bf16 values held as f32, each
 /// sum rounded — the bits [`sum_pairwise_bf16`] gives on their bits.
 pub fn sum_pairwise_in(dtype: ReduceDtype, parts: &mut [&mut [f32]]) {
-    assert!(!parts.is_empty(), "sum_pairwise_in: nothing to sum");
-    if parts.len() > 1 {
-        let (left, right) = parts.split_at_mut(parts.len() / 2);
-        sum_pairwise_in(dtype, left);
-        sum_pairwise_in(dtype, right);
-        match dtype {
-            ReduceDtype::F32 => add_assign(left[0], right[0]),
-            ReduceDtype::Bf16 => add_assign_bf16(left[0], right[0]),
-        }
+    match dtype {
+        ReduceDtype::F32 => pairwise_tree(parts, add_assign),
+        ReduceDtype::Bf16 => pairwise_tree(parts, add_assign_bf16),
     }
 }
 
