@@ -62,16 +62,12 @@ impl WholeModelShard {
         let layout = ShardLayout::new(s.table.numel(), n);
         let mine = layout.shard(rank).offset..layout.shard(rank).offset + layout.real_len(rank);
         let mine = std::slice::from_ref(&mine);
-        let padded = |mut v: Vec<f32>| {
-            v.resize(layout.shard_len, 0.0); // padding: zeros that no parameter uses
-            v
-        };
-        let master = padded(start.weights(mine)?);
+        let master = layout.pad(start.weights(mine)?); // padding: zeros that no parameter uses
         // nanoGPT's decay rule on my window of the flat vector (pieces of several tensors)
         let mut opt =
             AdamW::new(s.adamw, layout.shard_len).with_no_decay(s.table.no_decay_in(layout.shard(rank).range()));
         if let Some(r) = start.moments(mine)? {
-            (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
+            (opt.m, opt.v, opt.t) = (layout.pad(r.m), layout.pad(r.v), r.t);
         }
         Ok(MyShard { layout, master, opt })
     }

@@ -59,8 +59,7 @@ pub fn all_reduce_shard(replicas: &Comm, shard: &mut [f32]) {
     if padded == shard.len() {
         return replicas.all_reduce(shard, &mut part);
     }
-    let mut buf = shard.to_vec();
-    buf.resize(padded, 0.0);
+    let mut buf = fsdp_comm::grow_exact(shard.to_vec(), padded, 0.0);
     replicas.all_reduce(&mut buf, &mut part);
     shard.copy_from_slice(&buf[..shard.len()]);
 }

@@ -93,11 +93,7 @@ impl<'w> FsdpUnit<'w> {
         let shard_comm = comms.shard;
         let layout = ShardLayout::new(len, shard_comm.size());
         let mine = model_ranges(table, &params, layout, shard_comm.rank());
-        let padded = |mut v: Vec<f32>| {
-            v.resize(layout.shard_len, 0.0); // padding: zeros that no parameter uses
-            v
-        };
-        let master = padded(start.weights(&mine)?);
+        let master = layout.pad(start.weights(&mine)?); // padding: zeros that no parameter uses
         let blocks = params.len() / PARAMS_PER_BLOCK;
         // nanoGPT's decay rule on my window of the unit's flat vector
         let window = layout.shard(shard_comm.rank()).range();
@@ -105,7 +101,7 @@ impl<'w> FsdpUnit<'w> {
         let (grad, mut opt) =
             (vec![0.0; layout.shard_len], AdamW::new(s.adamw, layout.shard_len).with_no_decay(no_decay));
         if let Some(r) = start.moments(&mine)? {
-            (opt.m, opt.v, opt.t) = (padded(r.m), padded(r.v), r.t);
+            (opt.m, opt.v, opt.t) = (layout.pad(r.m), layout.pad(r.v), r.t);
         }
         let mut unit = Self {
             name,

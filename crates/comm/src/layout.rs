@@ -18,6 +18,15 @@ impl ShardInfo {
     }
 }
 
+/// `v` grown to `len` with `fill`, its allocation exactly `len`: `Vec::resize`
+/// alone may double the capacity (its amortized growth) — on the last rank,
+/// whose shard holds the padding, a second shard's worth that no tally counts.
+pub fn grow_exact<T: Clone>(mut v: Vec<T>, len: usize, fill: T) -> Vec<T> {
+    v.reserve_exact(len.saturating_sub(v.len()));
+    v.resize(len, fill);
+    v
+}
+
 /// How a flat vector of `numel` elements is split over `world` ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardLayout {
@@ -39,6 +48,13 @@ impl ShardLayout {
     /// Rank `rank`'s slice of the padded vector.
     pub fn shard(&self, rank: usize) -> ShardInfo {
         ShardInfo { offset: rank * self.shard_len, len: self.shard_len }
+    }
+
+    /// A shard's real values `v` with the padding's zeros after: `shard_len`
+    /// long and allocated to exactly that, as the tallies count it
+    /// ([`grow_exact`]).
+    pub fn pad(&self, v: Vec<f32>) -> Vec<f32> {
+        grow_exact(v, self.shard_len, 0.0)
     }
 
     /// How many of rank `rank`'s elements are real parameters (the rest is padding).

@@ -11,6 +11,7 @@ use mpi::traits::*;
 use crate::comm::{Comm, pack_groups};
 use crate::heartbeat;
 use crate::job::CommError;
+use crate::layout::grow_exact;
 use crate::mesh::Mesh;
 use crate::progress::PollPolicy;
 use crate::reduce::MicroBatchSum;
@@ -189,12 +190,12 @@ impl World {
     /// are made here, on the compute thread: `mine` is my shard's buffer,
     /// grown to R equal parts (its capacity stays so: the result is cut back
     /// to its length, so from the second step on nothing is allocated for it).
-    pub fn hsdp_reduce_async(&self, grads: &mut MicroBatchSum, mut mine: Vec<f32>) -> Pending<Vec<f32>> {
+    pub fn hsdp_reduce_async(&self, grads: &mut MicroBatchSum, mine: Vec<f32>) -> Pending<Vec<f32>> {
         let mesh = self.mesh.get().expect("the mesh is split first (World::mesh)");
         let shard = mine.len();
         let (send, groups) = packed(grads.take_sums(), mesh.shard.size(), shard);
         let r = mesh.replica.size();
-        mine.resize(shard.next_multiple_of(r), 0.0); // R equal parts for the all-reduce, zeros past my shard
+        let mine = grow_exact(mine, shard.next_multiple_of(r), 0.0); // R equal parts for the all-reduce, zeros past my shard
         let part = vec![0.0; mine.len() / r];
         self.started().hsdp_reduce((&mesh.shard, &mesh.replica), send, groups, mine, shard, part)
     }
