@@ -16,12 +16,13 @@ fn shape(m: usize) -> Vec<String> {
 }
 
 /// Lesson 01's digest at M micro-batches under `precision` (one rank: the
-/// pairwise tree gives every power-of-two world size these bits).
-fn lesson01(m: usize, precision: &str) -> String {
+/// pairwise tree gives every power-of-two world size these bits), with
+/// `shared` (flags both runs take, e.g. `--sum-groups`).
+fn lesson01(m: usize, precision: &str, shared: &[&str]) -> String {
     let mut args = shape(m);
-    args.extend(["--precision".to_string(), precision.to_string()]);
+    args.extend(["--precision", precision].iter().chain(shared).map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (o, out) = mpirun("step01-data-parallel", 1, &args, &format!("acc-dp-{precision}-{m}"));
+    let (o, out) = mpirun("step01-data-parallel", 1, &args, &format!("acc-dp-{precision}-{m}-{}", shared.join("")));
     ok_stdout(&o);
     digest(&out)
 }
@@ -38,25 +39,32 @@ fn calls(mode: &str, units: u64, mine: u64) -> (u64, u64) {
 }
 
 /// Runs `package` with `extra` in every mode at each (N, M/N) of `grid`, and
-/// checks each run: lesson 01's digest; per step, the all-gathers' and
-/// reduce-scatters' calls and bytes against the theory (the report's); the
-/// tally's peak within 2% of the measured peak heap on every rank.
-fn every_mode_keeps_the_promises(package: &str, extra: &[&str], precision: &str, grid: &[(usize, usize)]) {
+/// checks each run: lesson 01's digest (lesson 01 run with `shared` too);
+/// per step, the all-gathers' and reduce-scatters' calls and bytes against
+/// the theory (the report's); the tally's peak within 2% of the measured peak
+/// heap on every rank.
+fn every_mode_keeps_the_promises(
+    package: &str,
+    extra: &[&str],
+    shared: &[&str],
+    precision: &str,
+    grid: &[(usize, usize)],
+) {
     let mut failures = vec![];
     for &(n, per_rank) in grid {
         let m = n * per_rank;
-        let want = lesson01(m, precision);
+        let want = lesson01(m, precision, shared);
         for mode in MODES {
             let mut args = shape(m);
-            args.extend(["--accumulate", mode].iter().chain(extra).map(|s| s.to_string()));
+            args.extend(["--accumulate", mode].iter().chain(extra).chain(shared).map(|s| s.to_string()));
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let name = format!("acc-{package}-{precision}-{mode}-{n}-{per_rank}");
+            let name = format!("acc-{package}-{precision}-{mode}-{n}-{per_rank}-{}", shared.join(""));
             let (o, out) = mpirun(package, n, &args, &name);
             let stdout = ok_stdout(&o);
             let said = stdout.lines().any(|l| l.contains("gradient accumulation") && l.contains(&format!("{mode}: ")));
             assert!(said, "{package} --accumulate {mode}: no config line\n{stdout}");
             let r = report(&out);
-            let what = format!("{package} {precision} --accumulate {mode} at {n} ranks, M/N = {per_rank}");
+            let what = format!("{package} {precision} --accumulate {mode} {shared:?} at {n} ranks, M/N = {per_rank}");
             if digest(&out) != want {
                 failures.push(format!("{what}: digest {} against lesson 01's {want}", digest(&out)));
             }
@@ -86,15 +94,31 @@ fn every_mode_keeps_the_promises(package: &str, extra: &[&str], precision: &str,
 /// Lesson 03 in fp32 at 1, 2 and 4 ranks, M/N = 1, 2 and 4 between them.
 #[test]
 fn lesson_03_every_mode_gives_lesson_01s_bits_its_bytes_and_its_tally() {
-    every_mode_keeps_the_promises("step03-layerwise-shard", &["--no-plot"], "fp32", &[(1, 2), (2, 1), (2, 4), (4, 2)]);
+    let grid = [(1, 2), (2, 1), (2, 4), (4, 2)];
+    every_mode_keeps_the_promises("step03-layerwise-shard", &["--no-plot"], &[], "fp32", &grid);
+}
+
+/// Several gradient sums per rank (`--sum-groups G`: G sums over the
+/// micro-batches, each a tree of its own, then a tree over the sums): at 2
+/// ranks a rank holds G/2 of them, so each rank's deferred shards
+/// (reduce-every's `finish_deferred`) and held sums (no-sync's `push`) are
+/// summed group by group — and at 3 ranks (G = 6) over a world that is not a
+/// power of two. Lesson 01 is run with the same groups.
+#[test]
+fn several_sums_per_rank_keep_lesson_01s_bits_in_every_mode() {
+    let l03 = "step03-layerwise-shard";
+    every_mode_keeps_the_promises(l03, &["--no-plot"], &["--sum-groups", "4"], "fp32", &[(2, 4)]);
+    every_mode_keeps_the_promises(l03, &["--no-plot"], &["--sum-groups", "6"], "fp32", &[(2, 3), (3, 2)]);
+    let zero3 = "step04-optimizer-state-shard";
+    every_mode_keeps_the_promises(zero3, &[], &["--sum-groups", "4"], "bf16", &[(2, 4)]);
 }
 
 /// ZeRO-3 (lesson 04's stage 3) in fp32 and in bf16, its default.
 #[test]
 fn zero_3_every_mode_gives_lesson_01s_bits_its_bytes_and_its_tally() {
     let zero3 = "step04-optimizer-state-shard";
-    every_mode_keeps_the_promises(zero3, &["--precision", "fp32"], "fp32", &[(2, 2), (4, 1)]);
-    every_mode_keeps_the_promises(zero3, &["--precision", "bf16"], "bf16", &[(1, 4), (2, 2), (4, 2)]);
+    every_mode_keeps_the_promises(zero3, &["--precision", "fp32"], &[], "fp32", &[(1, 2), (2, 2), (4, 1)]);
+    every_mode_keeps_the_promises(zero3, &["--precision", "bf16"], &[], "bf16", &[(1, 4), (2, 2), (4, 2)]);
 }
 
 /// The bf16 reduction (`--reduce-dtype bf16`) keeps its one tree in every

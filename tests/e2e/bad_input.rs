@@ -82,6 +82,18 @@ fn accumulate_under_mpirun() {
     assert!(e.contains("--accumulate simulates ranks in one process"), "{e}");
 }
 
+/// Lesson 01's `--accumulate N` and lesson 03's `--accumulate MODE` share a
+/// name: each, given the other's value, says which flag it is.
+#[test]
+fn the_two_accumulate_flags_name_each_other() {
+    let e = fails("step01-data-parallel", 1, &["--accumulate", "no-sync"], "bad-acc-mode");
+    assert!(e.contains("pass a number of ranks to stand in for, e.g. 2 (lesson 03's --accumulate takes a mode"), "{e}");
+    let e = fails("step01-data-parallel", 1, &["--accumulate", "0"], "bad-acc-zero");
+    assert!(e.contains("pass a number of ranks from 1 to 4096"), "{e}");
+    let e = fails("step03-layerwise-shard", 2, &["--accumulate", "2"], "bad-acc-number");
+    assert!(e.contains("lesson 01's --accumulate N takes a number of ranks"), "{e}");
+}
+
 #[test]
 fn unknown_flag() {
     let e = fails("step02-whole-model-shard", 2, &["--stepz", "3"], "bad-flag");

@@ -26,7 +26,7 @@ struct Args {
     train: TrainArgs,
     /// Run in one process, accumulating the micro-batches of N simulated ranks
     /// and adding their sums as N ranks would: bit for bit what N ranks compute.
-    #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, allow_negative_numbers = true, value_name = "N", value_parser = ranks_to_stand_in_for)]
     accumulate: Option<u32>,
     /// How to all-reduce the gradient: ordered (bitwise reproducible) or native (MPI_Allreduce).
     #[arg(long, value_enum, default_value = "ordered")]
@@ -50,6 +50,18 @@ struct Args {
     /// fp32 master weights, gradient sums and AdamW state).
     #[arg(long, default_value = "fp32", value_parser = |s: &str| s.parse::<Precision>())]
     precision: Precision,
+}
+
+/// `--accumulate N`: a number of ranks, 1 to 4096. Lesson 03's `--accumulate`
+/// takes a mode instead; a learner who passes one here is told where it goes.
+fn ranks_to_stand_in_for(s: &str) -> Result<u32, String> {
+    match s.parse::<i64>() {
+        Ok(n) if (1..=4096).contains(&n) => Ok(n as u32),
+        Ok(_) => Err("pass a number of ranks from 1 to 4096".into()),
+        Err(_) => Err("pass a number of ranks to stand in for, e.g. 2 (lesson 03's --accumulate takes a mode: \
+             just step 03 2 --accumulate no-sync)"
+            .into()),
+    }
 }
 
 fn main() -> ExitCode {

@@ -112,7 +112,9 @@ impl std::str::FromStr for Accumulate {
     fn from_str(s: &str) -> Result<Self, String> {
         Accumulate::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
             let names: Vec<&str> = Accumulate::ALL.iter().map(|m| m.name()).collect();
-            format!("unknown --accumulate {s:?}: pass one of {}", names.join(", "))
+            let oracle =
+                if s.parse::<u32>().is_ok() { " (lesson 01's --accumulate N takes a number of ranks)" } else { "" };
+            format!("unknown --accumulate {s:?}: pass one of {}{oracle}", names.join(", "))
         })
     }
 }
@@ -284,11 +286,15 @@ pub fn accumulate_tally(s: &Session, units: &[FsdpUnit], mode: Accumulate) -> Me
     let mut moments = vec![];
     for k in 0..mine {
         let last = k + 1 == mine;
+        // After my last micro-batch no-sync's sums are packed to be sent, the gradient added first.
+        let packs = last && groups > 1 && mode != Accumulate::ReduceEvery;
         let across = |m: &mut Moment, at: usize, handing: bool| {
+            let now = plan[at].unit();
             let held: usize = (0..units.len())
                 .map(|x| {
                     let buffers = match (at > handed_at(&plan, x), last) {
                         (true, true) => 0, // reduced and freed
+                        _ if packs && handing && x == now => s.sum_groups.held_after(k + 1),
                         (true, false) => s.sum_groups.held_after(k + 1),
                         (false, _) => s.sum_groups.held_after(k),
                     };
@@ -300,11 +306,10 @@ pub fn accumulate_tally(s: &Session, units: &[FsdpUnit], mode: Accumulate) -> Me
                 _ => "every unit's unsharded gradient over my micro-batches so far",
             };
             m.add("held grad sums (fp32)", held, 4, note);
-            let now = plan[at].unit();
             if handing && mode == Accumulate::ReduceEvery {
                 m.add("received shards (fp32)", units[now].layout().padded, 4, "every rank's shard of mine, arriving");
             }
-            if handing && last && groups > 1 && mode != Accumulate::ReduceEvery {
+            if handing && packs {
                 m.add("send buffer", groups * units[now].layout().padded, 4, "its group sums packed per destination");
             }
             if mode == Accumulate::KeepUnsharded {
@@ -318,7 +323,7 @@ pub fn accumulate_tally(s: &Session, units: &[FsdpUnit], mode: Accumulate) -> Me
                 m.add(&format!("units kept unsharded ({dt})"), numel, e, "as candle Vars, until their last use");
             }
         };
-        let pass = Pass { mine: 1, first: k, handed_on: true, across: &across };
+        let pass = Pass { mine: 1, first: k, handed_on: true, merged_first: packs, across: &across };
         moments.extend(step_moments(s, units, 0, head, &pass));
     }
     t.peak(moments);

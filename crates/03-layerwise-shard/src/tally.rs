@@ -27,6 +27,7 @@ pub fn tally(s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -
         mine: s.my_micro_batches().len(),
         first: 0,
         handed_on: false,
+        merged_first: false,
         across: &|_: &mut Moment, _: usize, _: bool| {},
     };
     k.peak(step_moments(s, units, prefetch, head, &all_mine));
@@ -63,6 +64,11 @@ pub(crate) struct Pass<'a> {
     /// (`accumulate.rs`), rather than reduce-scattered there: a moment for
     /// each hand-off then.
     pub handed_on: bool,
+    /// Whether, at a hand-off, the gradient is added into the held sums
+    /// before they are packed to be sent (no-sync's last micro-batch with
+    /// several sums per rank): the moment then holds the sums and the send
+    /// buffer, the gradient no longer.
+    pub merged_first: bool,
     /// Adds what lives across micro-batches at schedule entry `at`, or
     /// (`true`) at its unit's hand-off after it.
     pub across: &'a dyn Fn(&mut Moment, usize, bool),
@@ -178,7 +184,9 @@ pub(crate) fn step_moments(
             };
             m.add(&format!("saved unit inputs ({dt})"), saved, e, "(B, T, C) per unit and micro-batch");
             carried(&mut m, done);
-            sums(&mut m, u, done);
+            if !pass.merged_first {
+                sums(&mut m, u, done);
+            }
             if !pass.handed_on {
                 m.add("send buffer", groups * u.layout().padded, 4, "its group sums packed per destination");
             }
