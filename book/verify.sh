@@ -107,8 +107,9 @@ for committed in book/src/generated/*; do
     if [[ "$name" == 02-recompute-time.txt || "$name" == 04-precision-cost.txt ]]; then echo "· $name: from \`just book-outputs\`, timings only (not compared)"; continue; fi
     # `BOOK=1 just hsdp` writes this one: step times on a shaped link, and the link's own byte counts.
     if [[ "$name" == 04-hsdp-cluster.txt ]]; then echo "· $name: from \`just hsdp\`, timings and counters (not compared)"; continue; fi
-    # `BOOK=1 just accumulate` writes this one: step times across a shaped link (its bytes and digests are the table above's).
-    if [[ "$name" == 03-accumulate-cluster.txt ]]; then echo "· $name: from \`just accumulate\`, timings on the cluster (not compared)"; continue; fi
+    # `BOOK=1 just accumulate` writes these: step times across a shaped link (its bytes and digests are the table above's),
+    # and a traced step of each mode there.
+    if [[ "$name" == 03-accumulate-cluster.txt || "$name" == 03-accumulate-timeline.svg ]]; then echo "· $name: from \`just accumulate\`, timings on the cluster (not compared)"; continue; fi
     fresh="$scratch/generated/$name"
     listings=$((listings + 1))
     if [ ! -s "$fresh" ]; then
