@@ -109,11 +109,13 @@ fn the_tally_explains_the_peak_where_shards_are_padded() {
             .map(String::from)
             .to_vec()
     };
-    let runs: [(&str, usize, &str, &[&str]); 8] = [
+    let runs: [(&str, usize, &str, &[&str]); 9] = [
         ("step02-whole-model-shard", 5, "5", &[]),
         ("step03-layerwise-shard", 3, "3", &["--no-plot"]),
         ("step03-layerwise-shard", 3, "6", &["--no-plot", "--prefetch"]),
         ("step03-layerwise-shard", 6, "6", &["--no-plot", "--hsdp", "3"]),
+        // on the stream: each shard grown to 2 equal parts for the replicas' all-reduce
+        ("step03-layerwise-shard", 6, "6", &["--no-plot", "--hsdp", "3", "--prefetch"]),
         ("step03-layerwise-shard", 3, "6", &["--no-plot", "--accumulate", "no-sync"]),
         ("step04-optimizer-state-shard", 5, "5", &["--stage", "1"]),
         ("step04-optimizer-state-shard", 5, "5", &["--stage", "2", "--overlap-comm"]),
