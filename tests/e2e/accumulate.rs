@@ -16,8 +16,9 @@ fn shape(m: usize) -> Vec<String> {
 }
 
 /// Lesson 01's digest at M micro-batches under `precision` (one rank: the
-/// pairwise tree gives every power-of-two world size these bits), with
-/// `shared` (flags both runs take, e.g. `--sum-groups`).
+/// pairwise tree gives every power-of-two world size these bits, and under
+/// `--sum-groups G` every world size dividing G), with `shared` (flags both
+/// runs take, e.g. `--sum-groups`).
 fn lesson01(m: usize, precision: &str, shared: &[&str]) -> String {
     let mut args = shape(m);
     args.extend(["--precision", precision].iter().chain(shared).map(|s| s.to_string()));

@@ -87,7 +87,10 @@ fn accumulate_under_mpirun() {
 #[test]
 fn the_two_accumulate_flags_name_each_other() {
     let e = fails("step01-data-parallel", 1, &["--accumulate", "no-sync"], "bad-acc-mode");
-    assert!(e.contains("pass a number of ranks to stand in for, e.g. 2 (lesson 03's --accumulate takes a mode"), "{e}");
+    assert!(
+        e.contains("pass a number of ranks to stand in for, e.g. 2 (in lessons 03 and 04, --accumulate takes a mode"),
+        "{e}"
+    );
     let e = fails("step01-data-parallel", 1, &["--accumulate", "0"], "bad-acc-zero");
     assert!(e.contains("pass a number of ranks from 1 to 4096"), "{e}");
     let e = fails("step03-layerwise-shard", 2, &["--accumulate", "2"], "bad-acc-number");

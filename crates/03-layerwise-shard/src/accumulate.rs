@@ -286,15 +286,15 @@ pub fn accumulate_tally(s: &Session, units: &[FsdpUnit], mode: Accumulate) -> Me
     let mut moments = vec![];
     for k in 0..mine {
         let last = k + 1 == mine;
-        // After my last micro-batch no-sync's sums are packed to be sent, the gradient added first.
+        // After my last micro-batch no-sync's and keep-unsharded's sums are packed to be sent, the gradient added first.
         let packs = last && groups > 1 && mode != Accumulate::ReduceEvery;
         let across = |m: &mut Moment, at: usize, handing: bool| {
             let now = plan[at].unit();
             let held: usize = (0..units.len())
                 .map(|x| {
                     let buffers = match (at > handed_at(&plan, x), last) {
-                        (true, true) => 0, // reduced and freed
-                        _ if packs && handing && x == now => s.sum_groups.held_after(k + 1),
+                        (true, true) => 0,                                                   // reduced and freed
+                        _ if packs && handing && x == now => s.sum_groups.held_after(k + 1), // my gradient merged in
                         (true, false) => s.sum_groups.held_after(k + 1),
                         (false, _) => s.sum_groups.held_after(k),
                     };

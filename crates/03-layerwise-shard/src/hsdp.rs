@@ -59,7 +59,9 @@ pub fn all_reduce_shard(replicas: &Comm, shard: &mut [f32]) {
     if padded == shard.len() {
         return replicas.all_reduce(shard, &mut part);
     }
-    let mut buf = fsdp_comm::grow_exact(shard.to_vec(), padded, 0.0);
+    let mut buf = Vec::with_capacity(padded);
+    buf.extend_from_slice(shard);
+    buf.resize(padded, 0.0);
     replicas.all_reduce(&mut buf, &mut part);
     shard.copy_from_slice(&buf[..shard.len()]);
 }

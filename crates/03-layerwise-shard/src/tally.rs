@@ -65,9 +65,9 @@ pub(crate) struct Pass<'a> {
     /// each hand-off then.
     pub handed_on: bool,
     /// Whether, at a hand-off, the gradient is added into the held sums
-    /// before they are packed to be sent (no-sync's last micro-batch with
-    /// several sums per rank): the moment then holds the sums and the send
-    /// buffer, the gradient no longer.
+    /// before they are packed to be sent (no-sync's and keep-unsharded's last
+    /// micro-batch with several sums per rank): the moment then holds the
+    /// sums and the send buffer, the gradient no longer.
     pub merged_first: bool,
     /// Adds what lives across micro-batches at schedule entry `at`, or
     /// (`true`) at its unit's hand-off after it.

@@ -20,7 +20,8 @@ impl ShardInfo {
 
 /// `v` grown to `len` with `fill`, its allocation exactly `len`: `Vec::resize`
 /// alone may double the capacity (its amortized growth) — on the last rank,
-/// whose shard holds the padding, a second shard's worth that no tally counts.
+/// whose shard holds the padding, up to a second shard's worth that no tally
+/// counts.
 pub fn grow_exact<T: Clone>(mut v: Vec<T>, len: usize, fill: T) -> Vec<T> {
     v.reserve_exact(len.saturating_sub(v.len()));
     v.resize(len, fill);
