@@ -13,28 +13,16 @@ Writes out/accumulate/accumulate.txt and accumulate-timeline.svg; inside the sim
 across the shaped link, and the two go to accumulate-cluster.txt and accumulate-cluster-timeline.svg.
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", RAYON_NUM_THREADS="1",
-           FSDP_PROGRESS="plain")
+from lesson_run import CLUSTER
+from lesson_run import lesson as run
+
 MODES = ["unit-major", "reduce-every", "no-sync", "keep-unsharded"]
 OUT = "out/accumulate"
-CLUSTER = os.environ.get("FSDP_CLUSTER")
-
-
-def run(binary, ranks, flags, out):
-    """One run under mpirun on this machine: its report."""
-    where = ["--hostfile", f"{CLUSTER}/hosts", "-x", "RAYON_NUM_THREADS=1"] if CLUSTER and ranks > 1 else ["--oversubscribe"]
-    cmd = ["mpirun", "-q", *where, "-n", str(ranks), f"target/release/{binary}", "--out", out, *flags]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1800)
-    if r.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-1500:]}\n{r.stderr[-2500:]}")
-    with open(f"{out}/report.json") as f:
-        return json.load(f)
 
 
 def mb(b):

@@ -5,11 +5,13 @@
 # starts), then removes everything it made, however COMMAND ends.
 #
 #   bash scripts/cluster.sh [--nodes K] [--rate RATE] [--slots S] -- COMMAND…
+#   bash scripts/cluster.sh --probe
 #
 #   --nodes K     simulated nodes (default 2), named node1 … nodeK
 #   --rate RATE   each node's link, each way, as tc writes it: 500mbit, 1gbit, 250mbit (default 1gbit);
 #                 `none` leaves the links unshaped (veth, many Gbit/s)
 #   --slots S     MPI ranks each node runs (default: the cores each node gets, at least 1)
+#   --probe       make nothing: exit 0 if this user can make the cluster here, else say why and exit 77
 #
 # Afterwards $FSDP_CLUSTER/links.txt holds the bytes each node's link sent
 # and received (the kernel's counters, `ip -s link`).
@@ -37,17 +39,18 @@
 # into interface names ("fsdp<ID>-v<K>"), which Linux caps at 15 characters.
 set -euo pipefail
 
-nodes=2 rate=1gbit slots=""
+nodes=2 rate=1gbit slots="" probe_only=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --nodes) nodes=${2:?--nodes needs K}; shift 2 ;;
         --rate) rate=${2:?--rate needs a rate, e.g. 500mbit}; shift 2 ;;
         --slots) slots=${2:?--slots needs S}; shift 2 ;;
+        --probe) probe_only=1; shift ;;
         --) shift; break ;;
         *) echo "error: unknown argument $1: usage: cluster.sh [--nodes K] [--rate RATE] [--slots S] -- COMMAND…" >&2; exit 2 ;;
     esac
 done
-[ $# -gt 0 ] || { echo "error: no command: usage: cluster.sh [--nodes K] [--rate RATE] [--slots S] -- COMMAND…" >&2; exit 2; }
+[ $# -gt 0 ] || [ -n "$probe_only" ] || { echo "error: no command: usage: cluster.sh [--nodes K] [--rate RATE] [--slots S] -- COMMAND…" >&2; exit 2; }
 [[ "$nodes" =~ ^[1-9][0-9]?$ ]] || { echo "error: --nodes $nodes: pass a number of nodes from 1 to 99" >&2; exit 2; }
 [ -z "$slots" ] || [[ "$slots" =~ ^[1-9][0-9]*$ ]] || { echo "error: --slots $slots: pass a number of ranks per node, 1 or more" >&2; exit 2; }
 # tc's own rate syntax, checked here so that a typo fails before anything is made.
@@ -60,6 +63,7 @@ id=${FSDP_CLUSTER_ID:-$$}
     echo "error: FSDP_CLUSTER_ID=$id: use 1 to 7 letters or digits (it goes into interface names, at most 15 characters)" >&2
     exit 2
 }
+[ -z "$probe_only" ] || [ "$(id -u)" -ne 0 ] || exit 0 # root makes the cluster with `ip netns`
 # Not root: the same cluster inside namespaces of our own (a user namespace maps us to root there, with
 # the rights over the network and mount namespaces it owns); the script runs again in them.
 rootless=${FSDP_CLUSTER_ROOTLESS:-}
@@ -70,6 +74,7 @@ if [ "$(id -u)" -ne 0 ] && [ -z "$rootless" ]; then
         echo "error: the simulated cluster needs root or unprivileged user namespaces, which this kernel does not allow (sysctl kernel.unprivileged_userns_clone=1, or user.max_user_namespaces above 0): run it as root, e.g. with sudo" >&2
         exit 77
     fi
+    [ -z "$probe_only" ] || exit 0
     exec env FSDP_CLUSTER_ROOTLESS=1 FSDP_CLUSTER_ID="$id" unshare --user --map-root-user --net --mount --propagation private \
         bash "$0" --nodes "$nodes" --rate "$rate" ${slots:+--slots "$slots"} -- "$@"
 fi

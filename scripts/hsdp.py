@@ -18,15 +18,11 @@ per rank (the tally from shapes, and the measured peak). The weights digest must
 every run.
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", RAYON_NUM_THREADS="1",
-           FSDP_PROGRESS="plain")
-CLUSTER = os.environ.get("FSDP_CLUSTER")
+from lesson_run import CLUSTER, lesson
 CONFIGS = [  # (label, flags)
     ("full shard (S = 4)", ["--no-plot"]),
     ("full shard (S = 4), --prefetch", ["--no-plot", "--prefetch"]),
@@ -43,14 +39,8 @@ def tx_bytes():
 def run(flags, steps, out, binary="step03-layerwise-shard"):
     """One run of a lesson on the cluster's 4 ranks: its report, and what node 1's link sent meanwhile."""
     before = tx_bytes()
-    cmd = ["mpirun", "-q", "--hostfile", f"{CLUSTER}/hosts", "-n", "4", "-x", "RAYON_NUM_THREADS=1",
-           f"target/release/{binary}", "--steps", str(steps), "--out", out, *flags]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1800)
-    if r.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-1500:]}\n{r.stderr[-2500:]}")
-    sent = tx_bytes() - before
-    with open(f"{out}/report.json") as f:
-        return json.load(f), sent
+    report = lesson(binary, 4, ["--steps", str(steps), *flags], out)
+    return report, tx_bytes() - before
 
 
 def counted(report, steps):

@@ -223,10 +223,8 @@ pub fn namespaces() -> Result<(), String> {
     if is_root() {
         return Ok(());
     }
-    // What scripts/cluster.sh probes: a private /run and a veth pair, in namespaces of one's own.
-    let probe = r#"mount -t tmpfs fsdp-probe /run && PATH="$PATH:/usr/sbin:/sbin" ip link add fsdp-pa type veth peer name fsdp-pb"#;
-    let args = ["--user", "--map-root-user", "--net", "--mount", "--propagation", "private", "sh", "-c", probe];
-    match Command::new("unshare").args(args).output() {
+    // scripts/cluster.sh's own probe: a private /run and a veth pair, in namespaces of one's own.
+    match Command::new("bash").arg(root().join("scripts/cluster.sh")).arg("--probe").output() {
         Ok(o) if o.status.success() => Ok(()),
         _ => Err("not root, and this kernel does not let a normal user make namespaces with a \
                   private mount and a veth pair (`unshare --user --map-root-user --net --mount` failed: \

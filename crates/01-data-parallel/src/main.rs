@@ -57,11 +57,10 @@ struct Args {
 fn ranks_to_stand_in_for(s: &str) -> Result<u32, String> {
     match s.parse::<i64>() {
         Ok(n) if (1..=4096).contains(&n) => Ok(n as u32),
-        Ok(_) => Err("pass a number of ranks from 1 to 4096".into()),
-        Err(_) if s.starts_with(|c: char| c.is_ascii_alphabetic()) => Err("pass a number of ranks to stand in for, \
+        _ if s.starts_with(|c: char| c.is_ascii_alphabetic()) => Err("pass a number of ranks to stand in for, \
              e.g. 2 (in lessons 03 and 04, --accumulate takes a mode: just step 03 2 --accumulate no-sync)"
             .into()),
-        Err(_) => Err("pass a number of ranks from 1 to 4096".into()),
+        _ => Err("pass a number of ranks from 1 to 4096".into()),
     }
 }
 

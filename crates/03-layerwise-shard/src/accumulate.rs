@@ -105,6 +105,15 @@ impl Accumulate {
     pub fn head_grad(self, asked: Option<HeadGrad>) -> Option<HeadGrad> {
         if self.micro_batch_major() { Some(HeadGrad::Keep) } else { asked }
     }
+
+    /// This rank's bytes in this mode, from shapes: unit-major's tally (with
+    /// `prefetch` entries gathered ahead), or [`accumulate_tally`].
+    pub fn tally(self, s: &Session, units: &[FsdpUnit], prefetch: usize, head: HeadGrad) -> MemoryTally {
+        match self.micro_batch_major() {
+            true => accumulate_tally(s, units, self),
+            false => crate::tally::tally(s, units, prefetch, head),
+        }
+    }
 }
 
 impl std::str::FromStr for Accumulate {

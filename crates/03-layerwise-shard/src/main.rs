@@ -18,10 +18,10 @@ use fsdp_harness::plot::Chart;
 use fsdp_harness::table::{Table, mb, mb_measured, sci};
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise, print0};
 use step02_whole_model_shard::WholeModelShard;
-use step03_layerwise_shard::accumulate::{self, Accumulate, accumulate_tally, calls_per_step};
+use step03_layerwise_shard::accumulate::{self, Accumulate, calls_per_step};
 use step03_layerwise_shard::mixed_precision::MixedPrecision;
 use step03_layerwise_shard::prefetch::{Prefetch, prefetch_within_budget, reduce_on_stream};
-use step03_layerwise_shard::tally::{reserve_receive_buffers, tally, units_json, unsharded_peak_table};
+use step03_layerwise_shard::tally::{reserve_receive_buffers, units_json, unsharded_peak_table};
 use step03_layerwise_shard::units::build_units;
 use step03_layerwise_shard::{HeadGrad, LayerwiseShard, hsdp, schedule};
 use step03_layerwise_shard::{describe_reduce, reduce_flag};
@@ -215,10 +215,7 @@ fn main() -> ExitCode {
             ]);
         }
         let max_div = divergence.iter().copied().fold(0.0, nan_max);
-        let mut memory = match args.accumulate.micro_batch_major() {
-            true => accumulate_tally(&s, &fsdp.units, args.accumulate),
-            false => tally(&s, &fsdp.units, prefetch, head_grad),
-        };
+        let mut memory = args.accumulate.tally(&s, &fsdp.units, prefetch, head_grad);
         if let Some(r) = &reference_tally {
             // --check: lesson 02 beside, a diagnostic. Its state stays; its
             // step's peak shows only where it exceeds this lesson's.

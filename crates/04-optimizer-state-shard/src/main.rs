@@ -18,7 +18,7 @@ use fsdp_comm::ReduceDtype;
 use fsdp_gpt::Precision;
 use fsdp_harness::config_table::recompute_note;
 use fsdp_harness::{Lesson, MemoryTimeline, Report, Session, TrainArgs, exercise};
-use step03_layerwise_shard::accumulate::{self, Accumulate, accumulate_tally};
+use step03_layerwise_shard::accumulate::{self, Accumulate};
 use step03_layerwise_shard::prefetch::{describe_prefetch, prefetch_depth};
 use step03_layerwise_shard::{HeadGrad, describe_reduce, hsdp, reduce_flag};
 use step04_optimizer_state_shard::zero::{Shapes, model_states, side_by_side, stage1_tally, stage2_tally};
@@ -237,8 +237,7 @@ fn main() -> ExitCode {
         let memory = match args.stage {
             1 => stage1_tally(&s, units, args.recompute, zero.overlap_comm),
             2 => stage2_tally(&s, units, args.recompute, zero.overlap_comm),
-            _ if args.accumulate.micro_batch_major() => accumulate_tally(&s, units, args.accumulate),
-            _ => step03_layerwise_shard::tally::tally(&s, units, zero.prefetch_depth(), head_grad), // lesson 03's schedule
+            _ => args.accumulate.tally(&s, units, zero.prefetch_depth(), head_grad), // lesson 03's schedule, in its mode
         };
         let mut report = Report::new(&s, &run, memory);
         hsdp::report_traffic(&mut report, &s, &layouts, sent, gathered, scattered);

@@ -54,7 +54,7 @@ pub mod world;
 pub use comm::{Comm, RankSum};
 pub use exact::ExactSquares;
 pub use job::{CommError, abort_job};
-pub use layout::{ShardInfo, ShardLayout, grow_exact};
+pub use layout::{ShardInfo, ShardLayout};
 pub use mesh::Mesh;
 /// The element types the collectives move (f32, u16 for bf16 bits, u64, …).
 pub use mpi::traits::Equivalence;

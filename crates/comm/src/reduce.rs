@@ -27,8 +27,9 @@ pub fn sum_pairwise(parts: &mut [&mut [f32]]) {
     pairwise_tree(parts, add_assign);
 }
 
-/// The midpoint tree of [`sum_pairwise`], each sum formed by `add` (f32's, or bf16's rounded one).
-fn pairwise_tree(parts: &mut [&mut [f32]], add: fn(&mut [f32], &[f32])) {
+/// The midpoint tree of [`sum_pairwise`], each sum formed by `add` (f32's,
+/// or bf16's rounded one, on f32 values or on bf16 bits).
+fn pairwise_tree<T>(parts: &mut [&mut [T]], add: fn(&mut [T], &[T])) {
     assert!(!parts.is_empty(), "sum_pairwise: nothing to sum");
     if parts.len() > 1 {
         let (left, right) = parts.split_at_mut(parts.len() / 2);
@@ -122,16 +123,13 @@ fn add_assign_bf16(out: &mut [f32], x: &[f32]) {
 /// each sum rounded to bf16 — what the reduce-scatter does with the parts a
 /// bf16 all-to-all delivered.
 pub fn sum_pairwise_bf16(parts: &mut [&mut [u16]]) {
-    assert!(!parts.is_empty(), "sum_pairwise_bf16: nothing to sum");
-    if parts.len() > 1 {
-        let (left, right) = parts.split_at_mut(parts.len() / 2);
-        sum_pairwise_bf16(left);
-        sum_pairwise_bf16(right);
-        assert_eq!(left[0].len(), right[0].len(), "summands differ in length");
-        for (o, &x) in left[0].iter_mut().zip(right[0].iter()) {
-            *o = bf16_bits(bf16_value(*o) + bf16_value(x));
-        }
-    }
+    pairwise_tree(parts, add_assign_bf16_bits);
+}
+
+/// `out += x` on bf16 bits, each sum rounded to bf16.
+fn add_assign_bf16_bits(out: &mut [u16], x: &[u16]) {
+    assert_eq!(out.len(), x.len(), "summands differ in length");
+    out.iter_mut().zip(x).for_each(|(o, &x)| *o = bf16_bits(bf16_value(*o) + bf16_value(x)));
 }
 // ANCHOR_END: reduce_dtype
 
