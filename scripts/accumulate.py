@@ -18,8 +18,7 @@ import statistics
 import subprocess
 import sys
 
-from lesson_run import CLUSTER
-from lesson_run import lesson as run
+from lesson_run import CLUSTER, lesson as run
 
 MODES = ["unit-major", "reduce-every", "no-sync", "keep-unsharded"]
 OUT = "out/accumulate"

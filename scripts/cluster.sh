@@ -47,10 +47,10 @@ while [ $# -gt 0 ]; do
         --slots) slots=${2:?--slots needs S}; shift 2 ;;
         --probe) probe_only=1; shift ;;
         --) shift; break ;;
-        *) echo "error: unknown argument $1: usage: cluster.sh [--nodes K] [--rate RATE] [--slots S] -- COMMAND…" >&2; exit 2 ;;
+        *) echo "error: unknown argument $1: usage: cluster.sh [--nodes K] [--rate RATE] [--slots S] -- COMMAND…, or cluster.sh --probe" >&2; exit 2 ;;
     esac
 done
-[ $# -gt 0 ] || [ -n "$probe_only" ] || { echo "error: no command: usage: cluster.sh [--nodes K] [--rate RATE] [--slots S] -- COMMAND…" >&2; exit 2; }
+[ $# -gt 0 ] || [ -n "$probe_only" ] || { echo "error: no command: usage: cluster.sh [--nodes K] [--rate RATE] [--slots S] -- COMMAND…, or cluster.sh --probe" >&2; exit 2; }
 [[ "$nodes" =~ ^[1-9][0-9]?$ ]] || { echo "error: --nodes $nodes: pass a number of nodes from 1 to 99" >&2; exit 2; }
 [ -z "$slots" ] || [[ "$slots" =~ ^[1-9][0-9]*$ ]] || { echo "error: --slots $slots: pass a number of ranks per node, 1 or more" >&2; exit 2; }
 # tc's own rate syntax, checked here so that a typo fails before anything is made.
@@ -67,7 +67,7 @@ id=${FSDP_CLUSTER_ID:-$$}
 # Not root: the same cluster inside namespaces of our own (a user namespace maps us to root there, with
 # the rights over the network and mount namespaces it owns); the script runs again in them.
 rootless=${FSDP_CLUSTER_ROOTLESS:-}
-if [ "$(id -u)" -ne 0 ] && [ -z "$rootless" ]; then
+if [ "$(id -u)" -ne 0 ] && { [ -z "$rootless" ] || [ -n "$probe_only" ]; }; then
     # The probe does what the script will: a private /run and a veth pair, in namespaces of our own.
     probe='mount -t tmpfs fsdp-probe /run && PATH="$PATH:/usr/sbin:/sbin" ip link add fsdp-pa type veth peer name fsdp-pb'
     if ! unshare --user --map-root-user --net --mount --propagation private sh -c "$probe" 2>/dev/null; then

@@ -23,6 +23,7 @@ import statistics
 import sys
 
 from lesson_run import CLUSTER, lesson
+
 CONFIGS = [  # (label, flags)
     ("full shard (S = 4)", ["--no-plot"]),
     ("full shard (S = 4), --prefetch", ["--no-plot", "--prefetch"]),
